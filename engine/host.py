@@ -1,0 +1,271 @@
+"""The engine host: one vLLM AsyncLLM inside a Serve replica, in the prefill or the decode role.
+
+Prefill and decode replicas are the same code with a different KV role: a prefill engine is a NIXL KV
+producer (computes the prompt, keeps its blocks until decode reads them), a decode engine a KV consumer
+(pulls those blocks, then generates). This module is the only one that imports vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from engine.messages import EngineRequest, EngineStats, PrefillResult, ReplicaInfo, Sampling, TokenBatch
+from engine.model_source import resolve_model_dir
+from engine.spec import EngineSpec
+from engine.stats import EngineCounters, counters_logger_factory
+
+log = logging.getLogger(__name__)
+
+# The prefill leg asks vLLM to keep the prompt's KV for a remote decode (vLLM's NixlConnector protocol).
+_PREFILL_KV_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+def free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _kv_event_endpoints(
+    spec: EngineSpec, replica_id: str, node_ip: str
+) -> tuple[tuple[str, str] | None, str | None, str | None]:
+    """(what vLLM's publisher binds: (pub, replay)), and the addresses subscribers connect to.
+
+    vLLM's publisher binds wildcard and ipc endpoints and *connects* to host-specific ones. A one-machine
+    cluster uses ipc sockets (reachable from this machine only: KV events carry prompt token ids); a
+    multi-node cluster must bind TCP on every interface so the router's node can subscribe."""
+    if not spec.kv_events:
+        return None, None, None
+    if spec.bind_host in ("127.0.0.1", "localhost"):
+        base = Path(tempfile.gettempdir()) / "pdserve-kv"
+        base.mkdir(mode=0o700, exist_ok=True)
+        pub, replay = f"ipc://{base}/{replica_id}.pub", f"ipc://{base}/{replica_id}.replay"
+        return (pub, replay), pub, replay
+    pub_port, replay_port = free_port("0.0.0.0"), free_port("0.0.0.0")
+    return (
+        (f"tcp://*:{pub_port}", f"tcp://*:{replay_port}"),
+        f"tcp://{node_ip}:{pub_port}",
+        f"tcp://{node_ip}:{replay_port}",
+    )
+
+
+class EngineHost:
+    """Owns one AsyncLLM. Construct, then `start()` (blocking: loads the model and starts the engine
+    core subprocess), then serve `prefill` / `generate` / `stats` / `info`."""
+
+    def __init__(self, spec: EngineSpec, *, replica_id: str, node_id: str, node_ip: str) -> None:
+        self.spec = spec
+        self.replica_id = replica_id
+        self.node_id = node_id
+        self.node_ip = node_ip
+        self.nixl_port = free_port(node_ip)
+        self.kv_events_bind, self.kv_events_endpoint, self.kv_events_replay_endpoint = _kv_event_endpoints(
+            spec, replica_id, node_ip
+        )
+        self.counters = EngineCounters()
+        self._llm: Any = None
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._configure_process_env()
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = AsyncEngineArgs(**self._engine_kwargs())
+        started = time.monotonic()
+        self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[counters_logger_factory(self.counters)])
+        log.info(
+            "%s engine %s ready in %.1f s (nixl side channel %s:%d, kv events %s)",
+            self.spec.role,
+            self.replica_id,
+            time.monotonic() - started,
+            self.node_ip,
+            self.nixl_port,
+            self.kv_events_endpoint,
+        )
+
+    def shutdown(self) -> None:
+        if self._llm is not None:
+            self._llm.shutdown()
+            self._llm = None
+
+    def _configure_process_env(self) -> None:
+        # Read by vLLM (and inherited by its engine-core subprocess) when the engine starts; this
+        # process hosts exactly one engine, so process environment is the engine's configuration.
+        env = {
+            "PDSERVE_VLLM_PLUGIN": "1",
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": self.node_ip,
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.nixl_port),
+        }
+        if self.spec.device == "cpu":
+            env["VLLM_CPU_OMP_THREADS_BIND"] = self.spec.cpu_threads_bind
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(self.spec.cpu_kv_cache_gib)
+            if self.spec.dtype == "bfloat16":
+                env["PDSERVE_CPU_AMX_INIT"] = "1"
+        os.environ.update(env)
+
+    def _engine_kwargs(self) -> dict[str, Any]:
+        spec = self.spec
+        kwargs: dict[str, Any] = {
+            "model": str(resolve_model_dir(spec.model_source)),
+            "served_model_name": spec.served_name,
+            "dtype": spec.dtype,
+            "max_model_len": spec.max_model_len,
+            "block_size": spec.block_size,
+            "enable_prefix_caching": True,
+            "disable_log_stats": False,
+        }
+        if spec.kv_transfer:
+            kwargs["kv_transfer_config"] = {
+                "kv_connector": "NixlConnector",
+                "kv_role": "kv_producer" if spec.role == "prefill" else "kv_consumer",
+                "kv_buffer_device": spec.device,
+                "kv_load_failure_policy": spec.kv_load_failure_policy,
+                "engine_id": f"{spec.role}-{self.replica_id}",
+            }
+        if self.kv_events_bind is not None:
+            kwargs["kv_events_config"] = {
+                "enable_kv_cache_events": True,
+                "publisher": "zmq",
+                "endpoint": self.kv_events_bind[0],
+                "replay_endpoint": self.kv_events_bind[1],
+                "topic": "kv",
+            }
+        kwargs.update(spec.engine_args)
+        return kwargs
+
+    # ---- serving -------------------------------------------------------------------------------
+
+    async def prefill(self, req: EngineRequest) -> PrefillResult:
+        """The prefill leg: compute the prompt, keep its KV for a remote decode, return where it is."""
+        # One sampled token, which is discarded: decode samples the first token itself. ignore_eos and
+        # no stop strings make the leg always finish by length, the case in which vLLM hands off KV.
+        sampling = Sampling(max_tokens=1, temperature=0.0, ignore_eos=True)
+        params = self._sampling_params(sampling, dict(_PREFILL_KV_PARAMS))
+        started = time.monotonic()
+        final = None
+        async for out in self._llm.generate(
+            {"prompt_token_ids": req.prompt_token_ids}, params, request_id=req.request_id
+        ):
+            final = out
+        if final is None:
+            raise RuntimeError(f"prefill of {req.request_id} produced no output")
+        return PrefillResult(
+            request_id=req.request_id,
+            replica_id=self.replica_id,
+            node_id=self.node_id,
+            kv_transfer_params=final.kv_transfer_params,
+            num_prompt_tokens=len(req.prompt_token_ids),
+            num_cached_tokens=int(final.num_cached_tokens or 0),
+            prefill_ms=(time.monotonic() - started) * 1e3,
+        )
+
+    async def generate(self, req: EngineRequest) -> AsyncIterator[TokenBatch]:
+        """Generate and stream tokens in batches: the first token at once (TTFT), then by count or
+        time, whichever comes first. Cancelling the iterator aborts the request in the engine."""
+        params = self._sampling_params(req.sampling, req.kv_transfer_params)
+        max_batch = self.spec.stream_batch_tokens
+        max_wait = self.spec.stream_batch_ms / 1e3
+        ids: list[int] = []
+        text: list[str] = []
+        first_sent = False
+        batch_started = time.monotonic()
+        async for out in self._llm.generate(
+            {"prompt_token_ids": req.prompt_token_ids}, params, request_id=req.request_id
+        ):
+            completion = out.outputs[0]
+            if not ids:
+                batch_started = time.monotonic()
+            ids.extend(completion.token_ids)
+            text.append(completion.text)
+            if out.finished:
+                yield TokenBatch(
+                    token_ids=ids,
+                    text="".join(text),
+                    finish_reason="length" if completion.finish_reason == "length" else "stop",
+                    stop_reason=completion.stop_reason if isinstance(completion.stop_reason, str) else None,
+                    num_prompt_tokens=len(req.prompt_token_ids),
+                    num_cached_tokens=int(out.num_cached_tokens or 0),
+                    replica_id=self.replica_id,
+                    node_id=self.node_id,
+                )
+                return
+            if ids and (
+                not first_sent or len(ids) >= max_batch or time.monotonic() - batch_started >= max_wait
+            ):
+                yield TokenBatch(token_ids=ids, text="".join(text))
+                first_sent = True
+                ids, text = [], []
+        raise RuntimeError(f"engine stream for {req.request_id} ended without a finished output")
+
+    async def abort(self, request_id: str) -> None:
+        await self._llm.abort(request_id)
+
+    def _sampling_params(self, s: Sampling, kv_transfer_params: dict[str, Any] | None) -> Any:
+        from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+        return SamplingParams(
+            max_tokens=s.max_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=0 if s.top_k == -1 else s.top_k,
+            seed=s.seed,
+            stop=list(s.stop) or None,
+            ignore_eos=s.ignore_eos,
+            output_kind=RequestOutputKind.DELTA,
+            extra_args={"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None,
+        )
+
+    # ---- introspection -------------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        c = self.counters
+        return EngineStats(
+            replica_id=self.replica_id,
+            role=self.spec.role,
+            node_id=self.node_id,
+            running=c.running,
+            waiting=c.waiting,
+            kv_cache_usage=c.kv_cache_usage,
+            prompt_tokens_computed=c.prompt_tokens_computed,
+            prompt_tokens_local_cache_hit=c.prompt_tokens_local_cache_hit,
+            prompt_tokens_external_kv=c.prompt_tokens_external_kv,
+            nixl_bytes_transferred=c.nixl_bytes_transferred,
+            nixl_transfers=c.nixl_transfers,
+            requests_finished=c.requests_finished,
+        )
+
+    def info(self, *, draining: bool = False) -> ReplicaInfo:
+        return ReplicaInfo(
+            replica_id=self.replica_id,
+            role=self.spec.role,
+            node_id=self.node_id,
+            kv_events_endpoint=self.kv_events_endpoint,
+            kv_events_replay_endpoint=self.kv_events_replay_endpoint,
+            nixl_host=self.node_ip,
+            nixl_port=self.nixl_port,
+            block_size=self.spec.block_size,
+            ready=self._llm is not None,
+            draining=draining,
+            stats=self.stats(),
+        )
+
+    async def check_health(self) -> None:
+        if self._llm is None:
+            raise RuntimeError("engine not started")
+        await self._llm.check_health()

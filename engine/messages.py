@@ -1,0 +1,108 @@
+"""Messages between pdserve's processes: router <-> prefill/decode engine replicas.
+
+Every message that crosses a process boundary is one of these msgspec Structs (they pickle through Ray
+and encode with msgspec for anything else). Nothing here imports vLLM: the router depends on this module,
+and must not depend on the engine.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+Role = Literal["prefill", "decode"]
+FinishReason = Literal["stop", "length", "abort"]
+ServingPath = Literal["disaggregated", "local_prefill", "decode_full_prefill"]
+
+
+class Sampling(msgspec.Struct, frozen=True, kw_only=True):
+    """Validated sampling parameters (the router checked every range before building this)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+
+class EngineRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """One leg of a request as an engine replica receives it: token ids only (the router tokenized)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: Sampling
+    # vLLM NixlConnector parameters: None on a plain request; on the decode leg of a disaggregated
+    # request, the prefill leg's returned params (remote engine, block ids, host, port, ...).
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+class PrefillResult(msgspec.Struct, frozen=True, kw_only=True):
+    """What the prefill leg returns: where decode can pull the prompt's KV from."""
+
+    request_id: str
+    replica_id: str
+    node_id: str
+    # None when the engine did not hand off KV (e.g. the prompt finished by EOS/stop at its first
+    # token): decode must then prefill in full.
+    kv_transfer_params: dict[str, Any] | None
+    num_prompt_tokens: int
+    # Prompt tokens the prefill engine found in its own prefix cache.
+    num_cached_tokens: int
+    prefill_ms: float
+
+
+class TokenBatch(msgspec.Struct, frozen=True, kw_only=True):
+    """A batch of generated tokens streamed from a decode replica (batched by count and by time, since
+    every Ray streaming yield costs ~0.5 ms whatever it carries)."""
+
+    token_ids: list[int]
+    text: str
+    # Set on the last batch only.
+    finish_reason: FinishReason | None = None
+    stop_reason: str | None = None
+    num_prompt_tokens: int = 0
+    # Prompt tokens the decode engine did not compute (local prefix cache + external KV transfer).
+    num_cached_tokens: int = 0
+    replica_id: str = ""
+    node_id: str = ""
+
+
+class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
+    """A replica's counters and load, read from its engine's own statistics."""
+
+    replica_id: str
+    role: Role
+    node_id: str
+    running: int
+    waiting: int
+    kv_cache_usage: float
+    # Cumulative prompt-token accounting as the engine reports it.
+    prompt_tokens_computed: int
+    prompt_tokens_local_cache_hit: int
+    prompt_tokens_external_kv: int
+    nixl_bytes_transferred: int
+    nixl_transfers: int
+    requests_finished: int
+
+
+class ReplicaInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """What an engine replica publishes to the registry for the router."""
+
+    replica_id: str
+    role: Role
+    node_id: str
+    # ZMQ endpoint of the engine's KV-event publisher, e.g. tcp://127.0.0.1:5557 (None: events off).
+    kv_events_endpoint: str | None
+    # Where the publisher answers replay requests for missed event batches (vLLM's ROUTER socket).
+    kv_events_replay_endpoint: str | None
+    # Host/port of the NIXL side channel other engines use to read this one's KV.
+    nixl_host: str
+    nixl_port: int
+    block_size: int
+    ready: bool = True
+    draining: bool = False
+    # The engine's counters at the time of publishing (refreshed with every heartbeat).
+    stats: EngineStats | None = None

@@ -1,0 +1,65 @@
+"""The part of a prefill or decode Serve replica that both roles share: start the engine host with the
+replica's identity, answer health checks, report stats and registry info, stop the engine on shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import ray
+from ray import serve
+
+from cluster.registry import HEARTBEAT_S
+from engine.host import EngineHost
+from engine.messages import EngineStats, ReplicaInfo
+from engine.spec import EngineSpec
+
+log = logging.getLogger(__name__)
+
+
+class EngineReplica:
+    # Serve awaits async constructors; the replica is routed to only once this returns.
+    async def __init__(self, spec: EngineSpec) -> None:  # type: ignore[misc]
+        context = serve.get_replica_context()
+        self.host = EngineHost(
+            spec,
+            replica_id=context.replica_id.unique_id,
+            node_id=ray.get_runtime_context().get_node_id(),
+            node_ip=spec.bind_host or ray.util.get_node_ip_address(),
+        )
+        # Blocking on purpose: Serve marks the replica ready only once the constructor returns, so no
+        # request is routed to an engine that is still loading.
+        self.host.start()
+        self._registry = serve.get_deployment_handle("registry", context.app_name)
+        self._heartbeat = asyncio.create_task(self._publish_forever())
+
+    async def _publish_forever(self) -> None:
+        """Publish this replica's info to the registry, then refresh it: the heartbeat is what tells the
+        registry the replica is still alive."""
+        while True:
+            try:
+                await self._registry.publish.remote(self.host.info())
+            except Exception as exc:  # the registry restarting must not kill the engine replica
+                log.warning("registry publish failed (will retry): %s", exc)
+            await asyncio.sleep(HEARTBEAT_S)
+
+    async def check_health(self) -> None:
+        """Called by Serve's controller; raising marks the replica unhealthy and Serve replaces it."""
+        await self.host.check_health()
+
+    def stats(self) -> EngineStats:
+        return self.host.stats()
+
+    def info(self) -> ReplicaInfo:
+        return self.host.info()
+
+    def __del__(self) -> None:
+        # Serve calls __del__ on graceful shutdown (after in-flight requests drained): stop the engine
+        # core subprocess now rather than leaving it to notice its parent is gone.
+        heartbeat = getattr(self, "_heartbeat", None)
+        if heartbeat is not None:
+            heartbeat.cancel()
+            self._registry.withdraw.remote(self.host.replica_id)
+        host = getattr(self, "host", None)
+        if host is not None:
+            host.shutdown()

@@ -1,0 +1,79 @@
+"""Engine counters fed by vLLM's own statistics (a custom stat logger), read by `EngineHost.stats()`.
+
+vLLM computes these in the AsyncLLM process (scheduler stats come from the engine core with every
+output batch); keeping a copy here lets the router and tests read what the engine itself reported,
+instead of guessing from the outside.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class EngineCounters:
+    running: int = 0
+    waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prompt_tokens_computed: int = 0
+    prompt_tokens_local_cache_hit: int = 0
+    prompt_tokens_external_kv: int = 0
+    nixl_bytes_transferred: int = 0
+    nixl_transfers: int = 0
+    requests_finished: int = 0
+
+    def record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
+        if scheduler_stats is not None:
+            self.running = scheduler_stats.num_running_reqs
+            self.waiting = scheduler_stats.num_waiting_reqs
+            self.kv_cache_usage = float(scheduler_stats.kv_cache_usage)
+            if scheduler_stats.kv_connector_stats:
+                transferred = _sum_key(scheduler_stats.kv_connector_stats, "bytes_transferred")
+                self.nixl_bytes_transferred += int(transferred[0])
+                self.nixl_transfers += transferred[1]
+        if iteration_stats is not None:
+            tokens = iteration_stats.prompt_token_stats
+            self.prompt_tokens_computed += tokens.computed
+            self.prompt_tokens_local_cache_hit += tokens.local_cache_hit
+            self.prompt_tokens_external_kv += tokens.external_kv_transfer
+            self.requests_finished += len(iteration_stats.finished_requests)
+
+
+def _sum_key(data: Any, key: str) -> tuple[float, int]:
+    """Sum (and count) the observations under `key` in a connector's stats dict; a MultiConnector nests
+    one dict per connector, so search recursively."""
+    total, count = 0.0, 0
+    if isinstance(data, dict):
+        for k, v in data.items():
+            if k == key and isinstance(v, list):
+                total += sum(v)
+                count += len(v)
+            else:
+                t, c = _sum_key(v, key)
+                total, count = total + t, count + c
+    return total, count
+
+
+def counters_logger_factory(counters: EngineCounters) -> Callable[..., Any]:
+    """A vLLM StatLoggerFactory whose loggers write into `counters`."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class _CountersLogger(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            self.counters = counters
+
+        def record(
+            self,
+            scheduler_stats: Any,
+            iteration_stats: Any,
+            mm_cache_stats: Any = None,
+            engine_idx: int = 0,
+        ) -> None:
+            self.counters.record(scheduler_stats, iteration_stats)
+
+        def log_engine_initialized(self) -> None:
+            return None
+
+    return _CountersLogger

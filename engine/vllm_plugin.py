@@ -1,0 +1,53 @@
+"""vLLM general plugin (entry point group `vllm.general_plugins`).
+
+vLLM loads general plugins in every one of its processes (the AsyncLLM front end, the engine core
+subprocess, workers), which is the only place to adjust NIXL and the CPU before the KV connector starts.
+It does nothing unless the engine host set PDSERVE_VLLM_PLUGIN=1, so other vLLM users in the same
+environment are not affected.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+
+def register() -> None:
+    if os.environ.get("PDSERVE_VLLM_PLUGIN") != "1":
+        return
+    # vLLM sets this itself unless NIXL was imported first; we import NIXL below, so set it here.
+    os.environ.setdefault("UCX_RCACHE_MAX_UNRELEASED", "1024")
+    if os.environ.get("PDSERVE_NIXL_PROG_THREAD", "0") != "1":
+        _disable_nixl_progress_thread()
+    if os.environ.get("PDSERVE_CPU_AMX_INIT") == "1":
+        _request_amx_permission()
+
+
+def _disable_nixl_progress_thread() -> None:
+    """UCX's progress thread busy-spins one core per engine; on a small CPU machine that starves the
+    engines themselves. Without it, vLLM's own polling of transfer status drives progress."""
+    from vllm.distributed import nixl_utils
+
+    real = nixl_utils._load_nixl_attr("nixl_agent_config")
+    if real is None or getattr(real, "_pdserve_wrapped", False):
+        return
+
+    @functools.wraps(real)
+    def config_without_progress_thread(*args: Any, **kwargs: Any) -> Any:
+        kwargs.setdefault("enable_prog_thread", False)
+        return real(*args, **kwargs)
+
+    config_without_progress_thread._pdserve_wrapped = True  # type: ignore[attr-defined]
+    # Modules that later do `from vllm.distributed.nixl_utils import nixl_agent_config` get this one.
+    nixl_utils.nixl_agent_config = config_without_progress_thread
+
+
+def _request_amx_permission() -> None:
+    """bf16 on CPU: the AMX attention kernel dies with SIGILL when a process's first attention call
+    follows a KV pull, because AMX permission was never requested from the kernel."""
+    import torch
+
+    init_amx = getattr(torch.cpu, "_init_amx", None)
+    if init_amx is not None:
+        init_amx()

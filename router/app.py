@@ -1,0 +1,102 @@
+"""The router process: holds Serve deployment handles to the engine pools and serves the gRPC endpoint.
+
+It runs outside Serve's replicas (in the `pdserve up` process, or its own process pointed at a cluster)
+because a gRPC server on a fixed port inside a replica would be invisible to Serve's health checks and
+drain. It owns no KV bytes: only handles, tokens and text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from pathlib import Path
+
+from ray import serve
+
+from cluster.topology import Topology
+from engine.messages import ReplicaInfo
+from router.api import pdserve_pb2 as pb
+from router.metrics import RouterMetrics
+from router.orchestrator import Orchestrator
+from router.routing import RequestRouter
+from router.server import PdserveService, start_grpc_server
+from router.tokenizer import PromptTokenizer
+from router.validation import ModelLimits
+
+log = logging.getLogger(__name__)
+
+
+class RouterProcess:
+    def __init__(self, topo: Topology, model_dir: Path, app_name: str) -> None:
+        self.topo = topo
+        self.app_name = app_name
+        self.metrics = RouterMetrics()
+        tokenizer = PromptTokenizer(model_dir)
+        has_prefill = topo.pools.prefill.replicas > 0
+        prefill = serve.get_deployment_handle("prefill", app_name) if has_prefill else None
+        decode = serve.get_deployment_handle("decode", app_name)
+        self._registry = serve.get_deployment_handle("registry", app_name)
+        # Read secrets and certificates now, not on the event loop; the token's value is never logged.
+        cfg = topo.server
+        self._tls = None
+        if cfg.tls is not None:
+            self._tls = (Path(cfg.tls.key_file).read_bytes(), Path(cfg.tls.cert_file).read_bytes())
+        self._token = None
+        if cfg.auth_token_env:
+            self._token = os.environ.get(cfg.auth_token_env)
+            if not self._token:
+                raise RuntimeError(f"server.auth_token_env names {cfg.auth_token_env}, which is not set")
+        self.service = PdserveService(
+            tokenizer=tokenizer,
+            limits=ModelLimits(
+                served_name=topo.model.name,
+                max_model_len=topo.model.max_model_len,
+                vocab_size=tokenizer.vocab_size,
+            ),
+            block_size=topo.model.block_size,
+            orchestrator=Orchestrator(prefill, decode, block_size=topo.model.block_size),
+            router=RequestRouter(
+                has_prefill_pool=has_prefill, overload_queue_tokens=topo.router.overload_queue_tokens
+            ),
+            metrics=self.metrics,
+            cluster_status=self.cluster_status,
+        )
+
+    async def cluster_status(self) -> list[pb.Replica]:
+        infos: list[ReplicaInfo] = await self._registry.snapshot.remote()
+        return [_replica_status(i) for i in infos]
+
+    async def serve_until(self, stop: asyncio.Event) -> None:
+        cfg = self.topo.server
+        self.metrics.serve(cfg.metrics_host, cfg.metrics_port)
+        server, health = await start_grpc_server(
+            self.service, host=cfg.grpc_host, port=cfg.grpc_port, tls=self._tls, auth_token=self._token
+        )
+        log.info("gRPC endpoint on %s:%d", cfg.grpc_host, cfg.grpc_port)
+        try:
+            await stop.wait()
+        finally:
+            await health.enter_graceful_shutdown()
+            # In-flight streams get a grace period to finish; new calls are refused meanwhile.
+            await server.stop(grace=10.0)
+
+
+def _replica_status(info: ReplicaInfo) -> pb.Replica:
+    replica = pb.Replica(
+        replica_id=info.replica_id,
+        role=info.role,
+        state="DRAINING" if info.draining else ("READY" if info.ready else "STARTING"),
+        node_id=info.node_id,
+    )
+    s = info.stats
+    if s is not None:
+        replica.running_requests = s.running
+        replica.waiting_requests = s.waiting
+        replica.kv_cache_usage = s.kv_cache_usage
+        replica.prompt_tokens_computed = s.prompt_tokens_computed
+        replica.prompt_tokens_local_cache_hit = s.prompt_tokens_local_cache_hit
+        replica.prompt_tokens_external_kv = s.prompt_tokens_external_kv
+        replica.nixl_bytes_transferred = s.nixl_bytes_transferred
+        replica.requests_finished = s.requests_finished
+    return replica

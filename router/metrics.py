@@ -1,0 +1,66 @@
+"""The router's Prometheus metrics (prometheus-client), in a registry of their own (no global state).
+
+Latencies are histograms, so Prometheus computes P50/P95/P99 with histogram_quantile() per replica or in
+aggregate. Predicted vs engine-reported cached tokens are both exported so that drift between what the
+router believes and what the engine did is visible.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+_LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "pdserve_requests", "Requests by terminal gRPC status code.", ["code"], registry=r
+        )
+        self.inflight = Gauge("pdserve_requests_inflight", "Requests being served.", registry=r)
+        self.ttft = Histogram(
+            "pdserve_ttft_seconds", "Time to first token.", ["path"], buckets=_LATENCY_BUCKETS_S, registry=r
+        )
+        self.tpot = Histogram(
+            "pdserve_tpot_seconds",
+            "Time per output token after the first (mean per request).",
+            ["decode_replica"],
+            buckets=_TPOT_BUCKETS_S,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "pdserve_e2e_seconds",
+            "End-to-end request latency.",
+            ["path"],
+            buckets=_LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.prefill = Histogram(
+            "pdserve_prefill_leg_seconds",
+            "Prefill leg latency (router view).",
+            ["prefill_replica"],
+            buckets=_LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens served.", registry=r)
+        self.completion_tokens = Counter("pdserve_completion_tokens", "Tokens generated.", registry=r)
+        self.cached_tokens = Counter(
+            "pdserve_cached_tokens", "Prompt tokens the engine reported as cached (not computed).", registry=r
+        )
+        self.predicted_cached_tokens = Counter(
+            "pdserve_predicted_cached_tokens", "Prompt tokens the router predicted to be cached.", registry=r
+        )
+        self.kv_transfer_tokens = Counter(
+            "pdserve_kv_transfer_tokens",
+            "Prompt tokens whose KV was handed from a prefill to a decode replica.",
+            ["prefill_replica", "decode_replica"],
+            registry=r,
+        )
+        self.paths = Counter("pdserve_serving_path", "Requests by serving path.", ["path"], registry=r)
+
+    def serve(self, host: str, port: int) -> None:
+        """Expose /metrics (prometheus-client's own HTTP server thread)."""
+        start_http_server(port, addr=host, registry=self.registry)

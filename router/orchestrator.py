@@ -1,0 +1,181 @@
+"""Runs one request through the cluster: the prefill leg (if any), then the decode leg, streaming tokens.
+
+    (a) no prefill leg: the decode replica prefills locally (no prefill pool, or the router decided the
+        decode replica already holds all but a small suffix of the prompt)
+    (b) prefill leg (max_tokens=1, do_remote_decode) -> kv_transfer_params -> decode leg with those
+        params; the decode engine pulls the KV from the prefill engine over NIXL.
+
+KV bytes never pass through here: only token ids, text and NIXL's small control parameters.
+Cancellation (client gone, deadline) propagates: the Serve call is cancelled, the replica's coroutine is
+cancelled, and the engine aborts the request.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+
+from engine.messages import EngineRequest, FinishReason, PrefillResult, Sampling, ServingPath, TokenBatch
+
+log = logging.getLogger(__name__)
+
+# A replica that died or vanished mid-call; Serve replaces it, and a retry goes to a healthy one.
+REPLICA_LOST = (RayActorError, ActorDiedError, ActorUnavailableError)
+
+
+class NoReplicaError(Exception):
+    """No ready replica could serve a leg of the request."""
+
+
+class Route(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a request goes: decided by the routing policy (or 'let Serve pick' when replica ids are
+    None)."""
+
+    prefill: bool
+    prefill_replica: str | None = None
+    decode_replica: str | None = None
+    predicted_cached_tokens: int = 0
+
+
+class Completion(msgspec.Struct, kw_only=True):
+    """The summary after the last token: what the gRPC layer puts in `final`."""
+
+    finish_reason: FinishReason
+    stop_reason: str | None
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    kv_transferred_tokens: int
+    predicted_cached_tokens: int
+    path: ServingPath
+    prefill_replica: str
+    prefill_node: str
+    decode_replica: str
+    decode_node: str
+    note: str
+    ttft_ms: float
+    prefill_ms: float
+    e2e_ms: float
+
+
+class Orchestrator:
+    def __init__(self, prefill: Any | None, decode: Any, *, block_size: int) -> None:
+        """`prefill`/`decode`: Serve deployment handles (prefill None when the topology has no pool)."""
+        self._prefill = prefill
+        self._decode = decode
+        self._block_size = block_size
+
+    async def run(
+        self, request_id: str, prompt_token_ids: list[int], sampling: Sampling, route: Route
+    ) -> AsyncIterator[TokenBatch | Completion]:
+        started = time.monotonic()
+        prefill_result: PrefillResult | None = None
+        path: ServingPath = "local_prefill"
+        note = ""
+        kv_params: dict[str, Any] | None = None
+        if route.prefill and self._prefill is not None:
+            prefill_result = await self._prefill_leg(request_id, prompt_token_ids, route)
+            kv_params = prefill_result.kv_transfer_params
+            if kv_params:
+                path = "disaggregated"
+            else:
+                path = "decode_full_prefill"
+                note = "the prefill leg returned no KV transfer parameters; decode prefilled the whole prompt"
+        prefill_done = time.monotonic()
+
+        decode_req = EngineRequest(
+            request_id=f"{request_id}-d",
+            prompt_token_ids=prompt_token_ids,
+            sampling=sampling,
+            kv_transfer_params=kv_params,
+        )
+        completion_tokens = 0
+        ttft_ms = 0.0
+        async for batch in self._decode_leg(decode_req, route):
+            if batch.token_ids and completion_tokens == 0:
+                ttft_ms = (time.monotonic() - started) * 1e3
+            completion_tokens += len(batch.token_ids)
+            if batch.finish_reason is None:
+                yield batch
+                continue
+            # The last batch: stream its tokens, then the summary.
+            yield TokenBatch(token_ids=batch.token_ids, text=batch.text)
+            yield Completion(
+                finish_reason=batch.finish_reason,
+                stop_reason=batch.stop_reason,
+                prompt_tokens=batch.num_prompt_tokens,
+                cached_tokens=batch.num_cached_tokens,
+                completion_tokens=completion_tokens,
+                kv_transferred_tokens=self._handed_off_tokens(kv_params, len(prompt_token_ids)),
+                predicted_cached_tokens=route.predicted_cached_tokens,
+                path=path,
+                prefill_replica=prefill_result.replica_id if prefill_result else "",
+                prefill_node=prefill_result.node_id if prefill_result else "",
+                decode_replica=batch.replica_id,
+                decode_node=batch.node_id,
+                note=note,
+                ttft_ms=ttft_ms,
+                prefill_ms=(prefill_done - started) * 1e3,
+                e2e_ms=(time.monotonic() - started) * 1e3,
+            )
+            return
+        raise RuntimeError(f"decode stream for {request_id} ended without a final batch")
+
+    async def _prefill_leg(self, request_id: str, prompt: list[int], route: Route) -> PrefillResult:
+        req = EngineRequest(request_id=f"{request_id}-p", prompt_token_ids=prompt, sampling=Sampling())
+        handle = self._prefill
+        assert handle is not None
+        # One retry when the replica died under us: Serve routes the retry to a live replica.
+        for attempt in (1, 2):
+            response = handle.prefill.remote(req)
+            try:
+                return await response
+            except REPLICA_LOST as exc:
+                if attempt == 2:
+                    raise NoReplicaError(f"prefill replica lost twice: {exc}") from exc
+                log.warning("prefill replica lost for %s, retrying: %s", request_id, exc)
+            except BaseException:
+                response.cancel()
+                raise
+        raise AssertionError("unreachable")
+
+    async def _decode_leg(self, req: EngineRequest, route: Route) -> AsyncIterator[TokenBatch]:
+        handle = self._decode
+        sent_any = False
+        for attempt in (1, 2):
+            stream = handle.options(stream=True).generate.remote(req)
+            finished = False
+            try:
+                async for batch in stream:
+                    sent_any = sent_any or bool(batch.token_ids)
+                    finished = batch.finish_reason is not None
+                    yield batch
+                return
+            except REPLICA_LOST as exc:
+                # Tokens already streamed cannot be taken back; before the first one, the request can
+                # start over on another decode replica (prefilling locally: the KV handed off to the
+                # lost replica is gone with it).
+                if sent_any or attempt == 2:
+                    raise NoReplicaError(f"decode replica lost mid-stream: {exc}") from exc
+                log.warning(
+                    "decode replica lost before first token for %s, retrying: %s", req.request_id, exc
+                )
+                req = msgspec.structs.replace(req, kv_transfer_params=None)
+            finally:
+                if not finished:
+                    stream.cancel()
+
+    def _handed_off_tokens(self, kv_params: dict[str, Any] | None, prompt_len: int) -> int:
+        """Prompt tokens whose KV the prefill engine handed off (its block ids x block size)."""
+        if not kv_params:
+            return 0
+        blocks = kv_params.get("remote_block_ids") or []
+        # remote_block_ids is per KV cache group in recent vLLM ([[...]]), flat in older ones.
+        if blocks and isinstance(blocks[0], list):
+            blocks = blocks[0]
+        return min(len(blocks) * self._block_size, prompt_len)

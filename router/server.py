@@ -1,0 +1,257 @@
+"""pdserve's public gRPC endpoint (`pdserve.v1.Pdserve`, plus grpc.health.v1 and reflection).
+
+A request's way through this process:
+    Generate -> validate (INVALID_ARGUMENT, nothing reaches an engine) -> tokenize (chat template)
+             -> length check -> route (router/routing.py) -> Orchestrator.run (prefill leg, decode leg)
+             -> stream token batches -> one final message with usage and the serving replicas.
+Every accepted request ends with exactly one terminal status, counted in pdserve_requests{code}.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from engine.messages import TokenBatch
+from router.api import pdserve_pb2 as pb
+from router.api import pdserve_pb2_grpc as pb_grpc
+from router.metrics import RouterMetrics
+from router.orchestrator import Completion, NoReplicaError, Orchestrator
+from router.routing import Overloaded, RequestRouter
+from router.tokenizer import ChatInputError, PromptTokenizer
+from router.validation import (
+    InvalidRequest,
+    ModelLimits,
+    PromptInput,
+    check_prompt_length,
+    validate_generate,
+    validate_tokenize,
+)
+
+log = logging.getLogger(__name__)
+
+_FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
+_PATH = {
+    "disaggregated": pb.SERVING_PATH_DISAGGREGATED,
+    "local_prefill": pb.SERVING_PATH_LOCAL_PREFILL,
+    "decode_full_prefill": pb.SERVING_PATH_DECODE_FULL_PREFILL,
+}
+
+
+class _Aborted(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class PdserveService(pb_grpc.PdserveServicer):
+    def __init__(
+        self,
+        *,
+        tokenizer: PromptTokenizer,
+        limits: ModelLimits,
+        block_size: int,
+        orchestrator: Orchestrator,
+        router: RequestRouter,
+        metrics: RouterMetrics,
+        cluster_status: Callable[[], Awaitable[list[pb.Replica]]],
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._limits = limits
+        self._block_size = block_size
+        self._orchestrator = orchestrator
+        self._router = router
+        self._metrics = metrics
+        self._cluster_status = cluster_status
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        code = grpc.StatusCode.OK
+        self._metrics.inflight.inc()
+        try:
+            async for message in self._generate(request):
+                yield message
+        except _Aborted as exc:
+            code = exc.code
+            await context.abort(exc.code, exc.message)
+        except asyncio.CancelledError:
+            # Client cancelled or the deadline passed: grpc cancels this task; the orchestrator's
+            # cleanup cancelled the engine legs on the way out.
+            remaining = context.time_remaining()
+            code = (
+                grpc.StatusCode.DEADLINE_EXCEEDED
+                if remaining is not None and remaining <= 0
+                else grpc.StatusCode.CANCELLED
+            )
+            raise
+        finally:
+            self._metrics.inflight.dec()
+            self._metrics.requests.labels(code=code.name).inc()
+
+    async def _generate(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            valid = validate_generate(request, self._limits)
+            prompt_ids = await self._encode(valid.input)
+            check_prompt_length(len(prompt_ids), valid.sampling, self._limits, input_field=valid.input.kind)
+        except (InvalidRequest, ChatInputError) as exc:
+            raise _Aborted(grpc.StatusCode.INVALID_ARGUMENT, f"{exc.field}: {exc.message}") from exc
+        request_id = valid.request_id or uuid.uuid4().hex
+        try:
+            route = self._router.route(request_id, valid.session_id or None, prompt_ids, valid.sampling)
+        except Overloaded as exc:
+            raise _Aborted(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from exc
+        first_token_at: float | None = None
+        started = time.monotonic()
+        try:
+            async for event in self._orchestrator.run(request_id, prompt_ids, valid.sampling, route):
+                if isinstance(event, TokenBatch):
+                    if event.token_ids and first_token_at is None:
+                        first_token_at = time.monotonic()
+                    yield pb.GenerateResponse(
+                        request_id=request_id, token_ids=event.token_ids, text=event.text
+                    )
+                else:
+                    self._record(event, first_token_at, started)
+                    yield pb.GenerateResponse(request_id=request_id, final=_final(event))
+        except NoReplicaError as exc:
+            raise _Aborted(grpc.StatusCode.UNAVAILABLE, str(exc)) from exc
+        finally:
+            self._router.finish(request_id)
+
+    async def _encode(self, prompt: PromptInput) -> list[int]:
+        # Tokenizing a long prompt takes milliseconds of CPU: keep it off the event loop.
+        if prompt.kind == "prompt_token_ids":
+            return list(prompt.prompt_token_ids)
+        if prompt.kind == "prompt":
+            return await asyncio.to_thread(self._tokenizer.encode_text, prompt.prompt)
+        return await asyncio.to_thread(self._tokenizer.encode_chat, prompt.messages, prompt.tools)
+
+    def _record(self, c: Completion, first_token_at: float | None, started: float) -> None:
+        m = self._metrics
+        m.ttft.labels(path=c.path).observe(c.ttft_ms / 1e3)
+        m.e2e.labels(path=c.path).observe(c.e2e_ms / 1e3)
+        if first_token_at is not None and c.completion_tokens > 1:
+            tpot = (time.monotonic() - first_token_at) / (c.completion_tokens - 1)
+            m.tpot.labels(decode_replica=c.decode_replica).observe(tpot)
+        if c.prefill_replica:
+            m.prefill.labels(prefill_replica=c.prefill_replica).observe(c.prefill_ms / 1e3)
+            m.kv_transfer_tokens.labels(
+                prefill_replica=c.prefill_replica, decode_replica=c.decode_replica
+            ).inc(c.kv_transferred_tokens)
+        m.prompt_tokens.inc(c.prompt_tokens)
+        m.completion_tokens.inc(c.completion_tokens)
+        m.cached_tokens.inc(c.cached_tokens)
+        m.predicted_cached_tokens.inc(c.predicted_cached_tokens)
+        m.paths.labels(path=c.path).inc()
+
+    async def Tokenize(
+        self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.TokenizeResponse:
+        try:
+            prompt = validate_tokenize(request, self._limits)
+            ids = await self._encode(prompt)
+        except (InvalidRequest, ChatInputError) as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{exc.field}: {exc.message}")
+        return pb.TokenizeResponse(token_ids=ids, max_model_len=self._limits.max_model_len)
+
+    async def ListModels(
+        self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListModelsResponse:
+        model = pb.Model(
+            id=self._limits.served_name, max_model_len=self._limits.max_model_len, block_size=self._block_size
+        )
+        return pb.ListModelsResponse(models=[model])
+
+    async def GetClusterStatus(
+        self, request: pb.GetClusterStatusRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetClusterStatusResponse:
+        return pb.GetClusterStatusResponse(replicas=await self._cluster_status())
+
+
+def _final(c: Completion) -> pb.Final:
+    return pb.Final(
+        finish_reason=_FINISH.get(c.finish_reason, pb.FINISH_REASON_UNSPECIFIED),
+        stop_reason=c.stop_reason or "",
+        usage=pb.Usage(
+            prompt_tokens=c.prompt_tokens,
+            cached_tokens=c.cached_tokens,
+            completion_tokens=c.completion_tokens,
+            kv_transferred_tokens=c.kv_transferred_tokens,
+            predicted_cached_tokens=c.predicted_cached_tokens,
+        ),
+        served_by=pb.ServedBy(
+            path=_PATH[c.path],
+            prefill_replica=c.prefill_replica,
+            decode_replica=c.decode_replica,
+            prefill_node=c.prefill_node,
+            decode_node=c.decode_node,
+            note=c.note,
+        ),
+        timings=pb.Timings(ttft_ms=c.ttft_ms, prefill_ms=c.prefill_ms, e2e_ms=c.e2e_ms),
+    )
+
+
+class _TokenAuth(grpc.aio.ServerInterceptor):
+    """Bearer-token auth: every call must carry `authorization: Bearer <token>` (health checks too,
+    except grpc.health.v1 so that load balancers can probe without the secret)."""
+
+    def __init__(self, token: str) -> None:
+        self._token = token.encode()
+
+    async def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
+        if details.method.startswith("/grpc.health.v1.Health/"):
+            return await continuation(details)
+        sent = dict(details.invocation_metadata or ()).get("authorization", "")
+        if isinstance(sent, bytes):
+            sent = sent.decode(errors="replace")
+        scheme, _, token = sent.partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(token.encode(), self._token):
+            return await continuation(details)
+        return _deny_handler()
+
+
+def _deny_handler() -> grpc.RpcMethodHandler:
+    async def deny(request: Any, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
+
+    return grpc.unary_unary_rpc_method_handler(deny)
+
+
+async def start_grpc_server(
+    service: PdserveService,
+    *,
+    host: str,
+    port: int,
+    tls: tuple[bytes, bytes] | None = None,
+    auth_token: str | None = None,
+) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
+    interceptors = [_TokenAuth(auth_token)] if auth_token else []
+    server = grpc.aio.server(interceptors=interceptors)
+    pb_grpc.add_PdserveServicer_to_server(service, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    service_name = pb.DESCRIPTOR.services_by_name["Pdserve"].full_name
+    reflection.enable_server_reflection((service_name, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    address = f"{host}:{port}"
+    if tls is not None:
+        key, cert = tls
+        bound = server.add_secure_port(address, grpc.ssl_server_credentials([(key, cert)]))
+    else:
+        bound = server.add_insecure_port(address)
+    if bound == 0:
+        raise OSError(f"cannot listen on {address}")
+    await server.start()
+    await health_servicer.set(service_name, health_pb2.HealthCheckResponse.SERVING)
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    return server, health_servicer

@@ -1,0 +1,194 @@
+"""Validation of public API requests at the edge, before anything reaches an engine.
+
+Every check raises `InvalidRequest` with the path of the offending field ("sampling.top_p",
+"messages[2].role", "prompt_token_ids[7]") and a message a human can act on; the gRPC server turns it
+into INVALID_ARGUMENT. A request that passes comes out as typed values with the server's defaults
+applied: which input it carries (already converted for the chat template) and an `engine.messages.Sampling`.
+The one check that needs the token count, `check_prompt_length`, runs after tokenization.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import msgspec
+
+from engine.messages import Sampling
+from router.api import pdserve_pb2
+from router.tokenizer import ChatInputError, message_dicts, tool_dicts
+
+ROLES = ("system", "user", "assistant", "tool")
+MAX_STOP_STRINGS = 16
+MAX_ID_LENGTH = 256
+_INPUT_FIELDS = ("prompt", "messages", "prompt_token_ids")
+
+InputKind = Literal["prompt", "messages", "prompt_token_ids"]
+
+
+class InvalidRequest(Exception):
+    """A request the server refuses; `field` is the path of the offending field."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+class ModelLimits(msgspec.Struct, frozen=True, kw_only=True):
+    """What a request is checked against: the served model and its limits."""
+
+    served_name: str
+    max_model_len: int
+    vocab_size: int
+
+
+class PromptInput(msgspec.Struct, frozen=True, kw_only=True):
+    """A request's input: exactly one of a text prompt, chat messages (+ tools) or token ids."""
+
+    # Also the name of the request field it came from (for check_prompt_length's input_field).
+    kind: InputKind
+    prompt: str = ""
+    # Chat-template dicts (tool-call arguments and tool schemas parsed from their JSON).
+    messages: list[dict[str, Any]] = msgspec.field(default_factory=list)
+    tools: list[dict[str, Any]] | None = None
+    prompt_token_ids: list[int] = msgspec.field(default_factory=list)
+
+
+class ValidatedInput(msgspec.Struct, frozen=True, kw_only=True):
+    """A GenerateRequest that passed validation, with the server's defaults applied."""
+
+    input: PromptInput
+    sampling: Sampling
+    session_id: str
+    # Empty: the server makes one.
+    request_id: str
+
+
+def validate_generate(req: pdserve_pb2.GenerateRequest, limits: ModelLimits) -> ValidatedInput:
+    _check_model(req.model, limits)
+    prompt = _prompt_input(req.prompt, req.messages, req.prompt_token_ids, req.tools, limits)
+    for name, value in (("session_id", req.session_id), ("request_id", req.request_id)):
+        if len(value) > MAX_ID_LENGTH:
+            raise InvalidRequest(name, f"at most {MAX_ID_LENGTH} characters, got {len(value)}")
+    return ValidatedInput(
+        input=prompt,
+        sampling=_sampling(req.sampling, limits),
+        session_id=req.session_id,
+        request_id=req.request_id,
+    )
+
+
+def validate_tokenize(req: pdserve_pb2.TokenizeRequest, limits: ModelLimits) -> PromptInput:
+    _check_model(req.model, limits)
+    return _prompt_input(req.prompt, req.messages, (), req.tools, limits)
+
+
+def check_prompt_length(
+    num_prompt_tokens: int, sampling: Sampling, limits: ModelLimits, *, input_field: str
+) -> None:
+    """Refuse a prompt that, with max_tokens, does not fit the context. The field blamed is
+    sampling.max_tokens when a smaller max_tokens would fit, else the input (`input_field`)."""
+    total = num_prompt_tokens + sampling.max_tokens
+    if total <= limits.max_model_len:
+        return
+    field = "sampling.max_tokens" if num_prompt_tokens < limits.max_model_len else input_field
+    raise InvalidRequest(
+        field,
+        f"the prompt has {num_prompt_tokens} tokens and max_tokens is {sampling.max_tokens}: "
+        f"{total} > max_model_len {limits.max_model_len}",
+    )
+
+
+def _check_model(model: str, limits: ModelLimits) -> None:
+    if model and model != limits.served_name:
+        raise InvalidRequest("model", f"unknown model {model!r}; this cluster serves {limits.served_name!r}")
+
+
+def _prompt_input(
+    prompt: str,
+    messages: Sequence[pdserve_pb2.ChatMessage],
+    token_ids: Sequence[int],
+    tools: Sequence[pdserve_pb2.Tool],
+    limits: ModelLimits,
+) -> PromptInput:
+    given = [name for name, value in zip(_INPUT_FIELDS, (prompt, messages, token_ids), strict=True) if value]
+    if len(given) != 1:
+        # Name every field involved: all three when none was given, else the conflicting ones.
+        fields = given or list(_INPUT_FIELDS)
+        got = " and ".join(given) if given else "none (an empty prompt counts as none)"
+        raise InvalidRequest(
+            ",".join(fields), f"exactly one of prompt, messages, prompt_token_ids is required; got {got}"
+        )
+    if tools and given != ["messages"]:
+        raise InvalidRequest("tools", "tools are only allowed with messages")
+    if prompt:
+        return PromptInput(kind="prompt", prompt=prompt)
+    if token_ids:
+        return PromptInput(kind="prompt_token_ids", prompt_token_ids=_token_ids(token_ids, limits))
+    _check_messages(messages)
+    try:
+        return PromptInput(
+            kind="messages", messages=message_dicts(messages), tools=tool_dicts(tools) if tools else None
+        )
+    except ChatInputError as exc:
+        raise InvalidRequest(exc.field, exc.message) from exc
+
+
+def _token_ids(token_ids: Sequence[int], limits: ModelLimits) -> list[int]:
+    ids = [int(t) for t in token_ids]
+    for i, token in enumerate(ids):
+        if token >= limits.vocab_size:
+            raise InvalidRequest(
+                f"prompt_token_ids[{i}]", f"token id {token} is not below vocab_size {limits.vocab_size}"
+            )
+    return ids
+
+
+def _check_messages(messages: Sequence[pdserve_pb2.ChatMessage]) -> None:
+    for i, message in enumerate(messages):
+        field = f"messages[{i}]"
+        if message.role not in ROLES:
+            raise InvalidRequest(f"{field}.role", f"must be one of {', '.join(ROLES)}; got {message.role!r}")
+        if message.role == "tool" and not message.tool_call_id:
+            raise InvalidRequest(f"{field}.tool_call_id", "a tool message must name the call it answers")
+        if message.tool_calls and message.role != "assistant":
+            raise InvalidRequest(
+                f"{field}.tool_calls", f"only assistant messages make tool calls; this is {message.role}"
+            )
+        for j, call in enumerate(message.tool_calls):
+            if not call.name:
+                raise InvalidRequest(f"{field}.tool_calls[{j}].name", "a tool call needs a function name")
+
+
+def _sampling(params: pdserve_pb2.SamplingParams, limits: ModelLimits) -> Sampling:
+    defaults = Sampling()
+    max_tokens = params.max_tokens if params.HasField("max_tokens") else defaults.max_tokens
+    if not 1 <= max_tokens <= limits.max_model_len:
+        raise InvalidRequest(
+            "sampling.max_tokens", f"must be in [1, max_model_len={limits.max_model_len}]; got {max_tokens}"
+        )
+    temperature = params.temperature if params.HasField("temperature") else defaults.temperature
+    if not (math.isfinite(temperature) and 0.0 <= temperature <= 2.0):
+        raise InvalidRequest("sampling.temperature", f"must be in [0, 2]; got {temperature}")
+    top_p = params.top_p if params.HasField("top_p") else defaults.top_p
+    if not (math.isfinite(top_p) and 0.0 < top_p <= 1.0):
+        raise InvalidRequest("sampling.top_p", f"must be in (0, 1]; got {top_p}")
+    top_k = params.top_k if params.HasField("top_k") else defaults.top_k
+    if top_k == 0 or top_k < -1:
+        raise InvalidRequest("sampling.top_k", f"must be -1 (disabled) or >= 1; got {top_k}")
+    if len(params.stop) > MAX_STOP_STRINGS:
+        raise InvalidRequest("sampling.stop", f"at most {MAX_STOP_STRINGS} strings; got {len(params.stop)}")
+    for i, stop in enumerate(params.stop):
+        if not stop:
+            raise InvalidRequest(f"sampling.stop[{i}]", "stop strings must not be empty")
+    return Sampling(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=params.seed if params.HasField("seed") else None,
+        stop=tuple(params.stop),
+        ignore_eos=params.ignore_eos,
+    )

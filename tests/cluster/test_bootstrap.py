@@ -1,0 +1,43 @@
+"""Cleanup after a cluster: only the shared-memory segments our engines leaked are removed."""
+
+import mmap
+import time
+from pathlib import Path
+
+from cluster.bootstrap import RunState, remove_leaked_shm
+
+
+def test_removes_new_unmapped_segments_and_keeps_old_or_mapped_ones(tmp_path: Path) -> None:
+    old = tmp_path / "psm_old"
+    old.write_bytes(b"x" * 4096)
+    since = time.time() + 0.01
+    time.sleep(0.05)
+    leaked = tmp_path / "psm_leaked"
+    leaked.write_bytes(b"x" * 4096)
+    in_use = tmp_path / "psm_in_use"
+    in_use.write_bytes(b"x" * 4096)
+    unrelated = tmp_path / "other_segment"
+    unrelated.write_bytes(b"x" * 4096)
+    with in_use.open("r+b") as f, mmap.mmap(f.fileno(), 4096):
+        removed = remove_leaked_shm(since, shm_dir=tmp_path)
+    assert removed == ["psm_leaked"]
+    assert not leaked.exists()
+    assert old.exists() and in_use.exists() and unrelated.exists()
+
+
+def test_run_state_round_trips(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    assert RunState.load() is None
+    state = RunState(
+        pid=123,
+        ray_address="127.0.0.1:6379",
+        dashboard_url="http://127.0.0.1:8265",
+        started_ray=True,
+        grpc_target="127.0.0.1:50051",
+        metrics_url="http://127.0.0.1:9400/metrics",
+        started_at=1.5,
+    )
+    state.save()
+    assert RunState.load() == state
+    RunState.clear()
+    assert RunState.load() is None

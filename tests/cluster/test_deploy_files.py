@@ -1,0 +1,125 @@
+"""Every file in deploy/ is valid for the tool that reads it, and the files agree with each other."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from ray.autoscaler._private.util import prepare_config, validate_config
+from ray.serve.schema import ServeDeploySchema
+
+from cluster.serve_config import compile_serve_config, render_rayservice
+from cluster.topology import Topology, load_topology, selector_matches
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+
+
+def kind_of(document: dict[str, Any]) -> str:
+    if document.get("kind") == "RayService":
+        return "rayservice"
+    if "cluster_name" in document:
+        return "launcher"
+    return "topology"  # anything else must parse as a topology (an unknown kind fails there)
+
+
+def deploy_files(kind: str) -> list[Path]:
+    return [p for p in sorted(DEPLOY.rglob("*.yaml")) if kind_of(yaml.safe_load(p.read_text()) or {}) == kind]
+
+
+TOPOLOGIES = deploy_files("topology")
+LAUNCHERS = deploy_files("launcher")
+RAYSERVICES = deploy_files("rayservice")
+
+
+def name(p: Path) -> str:
+    return str(p.relative_to(DEPLOY))
+
+
+def test_deploy_has_each_kind_of_file() -> None:
+    assert {name(p) for p in TOPOLOGIES} >= {"local.yaml", "h200-kimi-k2.yaml"}
+    assert LAUNCHERS and RAYSERVICES
+
+
+@pytest.mark.parametrize("path", TOPOLOGIES, ids=name)
+def test_topology_validates_and_compiles(path: Path) -> None:
+    topo = load_topology(path)
+    ServeDeploySchema.model_validate(compile_serve_config(topo))
+
+
+@pytest.mark.parametrize("path", sorted(DEPLOY.rglob("*.yaml")), ids=name)
+def test_every_file_is_documented(path: Path) -> None:
+    assert path.read_text().startswith("#"), f"{name(path)} should open with a comment saying what it is"
+
+
+def test_local_topology_is_the_defaults_written_out() -> None:
+    local = load_topology(DEPLOY / "local.yaml")
+    defaults = Topology()
+    assert local.model == defaults.model
+    assert local.server == defaults.server
+    assert local.router == defaults.router
+    for (_, pool), (_, default) in zip(local.pools.items(), defaults.pools.items(), strict=True):
+        assert (pool.replicas, pool.gpus_per_replica, pool.cpu_engine) == (
+            default.replicas,
+            default.gpus_per_replica,
+            default.cpu_engine,
+        )
+
+
+def test_h200_example_spans_two_nodes_on_differently_labelled_pools() -> None:
+    topo = load_topology(DEPLOY / "h200-kimi-k2.yaml")
+    prefill, decode = topo.pools.prefill, topo.pools.decode
+    assert decode.nodes_per_replica == 2 and decode.gpus_per_replica == 16
+    assert prefill.node_labels != decode.node_labels
+    assert topo.nodes is not None
+    for _, pool in topo.pools.items():
+        matching = [g for g in topo.nodes if selector_matches(pool.node_labels, g.labels)]
+        assert matching and all(g.gpus == 8 for g in matching)
+    # No node group serves both pools.
+    assert not [
+        g
+        for g in topo.nodes
+        if selector_matches(prefill.node_labels, g.labels) and selector_matches(decode.node_labels, g.labels)
+    ]
+
+
+@pytest.mark.parametrize("path", LAUNCHERS, ids=name)
+def test_launcher_config_is_valid_for_ray_up(path: Path) -> None:
+    validate_config(prepare_config(yaml.safe_load(path.read_text())))
+
+
+def test_launcher_starts_the_h200_inventory_with_its_labels() -> None:
+    launcher = yaml.safe_load((DEPLOY / "ray-cluster-h200.yaml").read_text())
+    topo = load_topology(DEPLOY / "h200-kimi-k2.yaml")
+    assert topo.nodes is not None
+    node_types = launcher["available_node_types"]
+    for group in topo.nodes:
+        node_type = node_types[group.name]
+        assert node_type["labels"] == group.labels
+        assert node_type["resources"] == {"CPU": group.cpus, "GPU": group.gpus}
+        if group.name == launcher["head_node_type"]:
+            assert any(
+                f"--labels={_ray_labels(group.labels)}" in c for c in launcher["head_start_ray_commands"]
+            )
+        else:
+            assert node_type["min_workers"] == node_type["max_workers"] == group.count
+
+
+def _ray_labels(labels: dict[str, str]) -> str:
+    return ",".join(f"{k}={v}" for k, v in labels.items())
+
+
+@pytest.mark.parametrize("path", RAYSERVICES, ids=name)
+def test_rayservice_manifest_is_current(path: Path) -> None:
+    match = re.match(r"# Generated from (\S+) by `pdserve export`", path.read_text())
+    assert match, f"{name(path)} does not say which topology it was generated from"
+    source = match[1]
+    expected = render_rayservice(load_topology(ROOT / source), source=source)
+    assert path.read_text() == expected, (
+        f'{name(path)} is stale; regenerate: .venv/bin/python -c "from cluster.serve_config import '
+        f"render_rayservice; from cluster.topology import load_topology; print(render_rayservice("
+        f"load_topology('{source}'), source='{source}'), end='')\" > deploy/{name(path)}"
+    )

@@ -1,0 +1,39 @@
+"""What each engine replica is told to run: the EngineSpec compiled from the topology."""
+
+from pathlib import Path
+
+from cluster.serve_app import engine_spec
+from cluster.topology import load_topology, parse_topology
+
+LOCAL = Path(__file__).resolve().parents[2] / "deploy" / "local.yaml"
+
+
+def test_local_cpu_pools_get_their_cores_kv_space_and_kv_roles() -> None:
+    topo = load_topology(LOCAL)
+    prefill, decode = engine_spec(topo, "prefill"), engine_spec(topo, "decode")
+    assert (prefill.role, decode.role) == ("prefill", "decode")
+    assert (prefill.cpu_threads_bind, decode.cpu_threads_bind) == ("0", "1")
+    assert prefill.cpu_kv_cache_gib == 1 and prefill.device == "cpu"
+    assert prefill.kv_transfer and decode.kv_transfer
+    # A one-machine cluster keeps engine side channels on loopback.
+    assert prefill.bind_host == "127.0.0.1"
+    assert prefill.block_size == topo.model.block_size and prefill.engine_args["enforce_eager"] is True
+
+
+def test_no_prefill_pool_means_a_plain_decode_engine_without_a_kv_connector() -> None:
+    spec = engine_spec(parse_topology("pools: {prefill: {replicas: 0}}"), "decode")
+    assert spec.kv_transfer is False
+
+
+def test_engine_args_pass_through_and_unset_limits_keep_vllm_defaults() -> None:
+    topo = parse_topology(
+        "pools: {decode: {cpu: {threads_bind: '1'}, engine: {max_num_seqs: 8, extra: {seed: 7}}}}"
+    )
+    args = engine_spec(topo, "decode").engine_args
+    assert args["max_num_seqs"] == 8 and args["seed"] == 7
+    assert "max_num_batched_tokens" not in args
+
+
+def test_a_remote_ray_cluster_binds_engine_side_channels_to_the_node_ip() -> None:
+    topo = parse_topology("ray: {address: '10.0.0.1:6379'}")
+    assert engine_spec(topo, "prefill").bind_host is None

@@ -1,0 +1,175 @@
+"""Compiling a topology into Ray Serve's declarative config and a KubeRay RayService."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import pytest
+import yaml
+from ray.serve.schema import ServeDeploySchema
+
+from cluster.serve_config import compile_serve_config, export_rayservice, render_rayservice
+from cluster.topology import Topology, TopologyError, parse_topology
+
+H200 = """
+model: {block_size: 64, dtype: bfloat16}
+pools:
+  prefill:
+    replicas: 2
+    gpus_per_replica: 8
+    cpus_per_replica: 4
+    node_labels: {role: prefill}
+    engine: {tensor_parallel_size: 8}
+  decode:
+    replicas: 3
+    gpus_per_replica: 16
+    nodes_per_replica: 2
+    cpus_per_replica: 6
+    node_labels: {role: decode}
+    engine: {tensor_parallel_size: 16, enable_expert_parallel: true}
+    max_ongoing_requests: 512
+    graceful_shutdown_timeout_s: 600
+    health_check_period_s: 5
+    health_check_timeout_s: 45
+"""
+
+
+def deployments(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    (app,) = config["applications"]
+    return {d["name"]: d for d in app["deployments"]}
+
+
+def fits(options: dict[str, Any], bundle: dict[str, float]) -> bool:
+    return options.get("num_cpus", 0) <= bundle.get("CPU", 0) and options.get("num_gpus", 0) <= bundle.get(
+        "GPU", 0
+    )
+
+
+@pytest.mark.parametrize("text", ["", H200], ids=["local", "h200"])
+def test_compiled_config_is_a_valid_serve_deploy_config(text: str) -> None:
+    config = compile_serve_config(parse_topology(text))
+    schema = ServeDeploySchema.model_validate(config)
+    assert schema.proxy_location == "Disabled"
+    (app,) = schema.applications
+    assert app.name == "pdserve"
+    assert app.route_prefix is None
+    assert app.import_path == "cluster.serve_app:build_app"
+    assert [d.name for d in app.deployments] == ["prefill", "decode"]
+
+
+def test_application_args_carry_the_whole_topology() -> None:
+    topo = parse_topology(H200)
+    (app,) = compile_serve_config(topo, app_name="agents")["applications"]
+    assert app["name"] == "agents"
+    assert msgspec.convert(app["args"]["topology"], Topology) == topo
+
+
+def test_pool_settings_reach_the_deployment() -> None:
+    decode = deployments(compile_serve_config(parse_topology(H200)))["decode"]
+    assert decode["num_replicas"] == 3
+    assert decode["max_ongoing_requests"] == 512
+    assert decode["graceful_shutdown_timeout_s"] == 600
+    assert decode["health_check_period_s"] == 5
+    assert decode["health_check_timeout_s"] == 45
+
+
+def test_prefill_is_left_out_when_it_has_no_replicas() -> None:
+    config = compile_serve_config(parse_topology("pools: {prefill: {replicas: 0}}"))
+    assert list(deployments(config)) == ["decode"]
+    ServeDeploySchema.model_validate(config)
+
+
+def test_cpu_replica_is_one_bundle_with_its_cores_and_kv_space() -> None:
+    prefill = deployments(compile_serve_config(Topology()))["prefill"]
+    assert prefill["placement_group_bundles"] == [{"CPU": 1.0}]
+    assert prefill["placement_group_strategy"] == "STRICT_PACK"
+    assert prefill["ray_actor_options"]["num_cpus"] == 1.0
+    assert prefill["ray_actor_options"]["num_gpus"] == 0
+    assert "placement_group_bundle_label_selector" not in prefill
+
+
+def test_multi_gpu_replica_has_one_bundle_per_gpu_and_an_actor_without_gpus() -> None:
+    compiled = deployments(compile_serve_config(parse_topology(H200)))
+    prefill, decode = compiled["prefill"], compiled["decode"]
+    assert len(prefill["placement_group_bundles"]) == 8
+    assert len(decode["placement_group_bundles"]) == 16
+    for d in (prefill, decode):
+        assert all(b["GPU"] == 1 for b in d["placement_group_bundles"])
+        assert d["ray_actor_options"]["num_gpus"] == 0  # vLLM's Ray workers take the GPUs
+        assert fits(d["ray_actor_options"], d["placement_group_bundles"][0])
+    assert prefill["ray_actor_options"]["num_cpus"] == 4
+    assert decode["ray_actor_options"]["num_cpus"] == 6
+
+
+def test_single_gpu_replica_actor_holds_its_gpu() -> None:
+    topo = parse_topology(
+        "model: {block_size: 64}\npools: {prefill: {replicas: 0}, decode: {gpus_per_replica: 1}}"
+    )
+    decode = deployments(compile_serve_config(topo))["decode"]
+    assert decode["placement_group_bundles"] == [{"GPU": 1.0, "CPU": 2.0}]
+    assert decode["ray_actor_options"]["num_gpus"] == 1
+    assert fits(decode["ray_actor_options"], decode["placement_group_bundles"][0])
+
+
+def test_strategy_single_node_strict_pack_multi_node_pack() -> None:
+    compiled = deployments(compile_serve_config(parse_topology(H200)))
+    assert compiled["prefill"]["placement_group_strategy"] == "STRICT_PACK"
+    assert compiled["decode"]["placement_group_strategy"] == "PACK"
+
+
+def test_label_selector_comes_from_node_labels() -> None:
+    compiled = deployments(compile_serve_config(parse_topology(H200)))
+    assert compiled["prefill"]["placement_group_bundle_label_selector"] == [{"role": "prefill"}]
+    assert compiled["decode"]["placement_group_bundle_label_selector"] == [{"role": "decode"}]
+
+
+def test_rayservice_embeds_the_serve_config_and_labelled_worker_groups() -> None:
+    topo = parse_topology(H200)
+    manifest = export_rayservice(topo, name="kimi", image="registry/pdserve:1")
+    assert (manifest["apiVersion"], manifest["kind"]) == ("ray.io/v1", "RayService")
+    assert manifest["metadata"]["name"] == "kimi"
+    spec = manifest["spec"]
+    assert yaml.safe_load(spec["serveConfigV2"]) == compile_serve_config(topo)
+    cluster = spec["rayClusterConfig"]
+    assert cluster["headGroupSpec"]["rayStartParams"]["num-gpus"] == "0"
+    # Without an inventory: one group per pool, sized for its replicas.
+    groups = {g["groupName"]: g for g in cluster["workerGroupSpecs"]}
+    assert groups["prefill"]["replicas"] == 2
+    assert groups["decode"]["replicas"] == 6  # 3 replicas x 2 nodes
+    assert groups["decode"]["rayStartParams"]["labels"] == "role=decode"
+    (container,) = groups["decode"]["template"]["spec"]["containers"]
+    assert container["image"] == "registry/pdserve:1"
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "8"
+
+
+def test_rayservice_uses_the_inventory_when_there_is_one() -> None:
+    topo = parse_topology(
+        H200
+        + """
+nodes:
+  - {name: head, labels: {role: head}, cpus: 32}
+  - {name: p, labels: {role: prefill, zone: a}, gpus: 8, cpus: 96, count: 2}
+  - {name: d, labels: {role: decode, zone: a}, gpus: 8, cpus: 96, count: 6}
+"""
+    )
+    cluster = export_rayservice(topo)["spec"]["rayClusterConfig"]
+    assert cluster["headGroupSpec"]["rayStartParams"]["labels"] == "role=head"
+    groups = {g["groupName"]: g for g in cluster["workerGroupSpecs"]}
+    assert set(groups) == {"p", "d"}
+    assert groups["d"]["rayStartParams"]["labels"] == "role=decode,zone=a"
+    assert groups["d"]["replicas"] == 6
+
+
+def test_rayservice_without_inventory_needs_plain_label_values() -> None:
+    topo = parse_topology("pools: {decode: {node_labels: {role: 'in(decode,both)'}}}")
+    with pytest.raises(TopologyError) as info:
+        export_rayservice(topo)
+    assert info.value.path == "pools.decode.node_labels.role"
+
+
+def test_rendered_rayservice_is_yaml_with_a_readable_serve_config() -> None:
+    text = render_rayservice(parse_topology(H200), source="deploy/x.yaml")
+    assert text.startswith("# Generated from deploy/x.yaml by `pdserve export`")
+    assert "serveConfigV2: |\n" in text
+    assert yaml.safe_load(text) == export_rayservice(parse_topology(H200))

@@ -1,0 +1,304 @@
+"""The topology file: its schema, its defaults, and the errors it gives (field path + reason)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from cluster.topology import (
+    CPUS_PER_GPU_WORKER,
+    NodeGroup,
+    Pool,
+    Topology,
+    TopologyError,
+    load_topology,
+    parse_topology,
+    selector_matches,
+)
+
+BROKEN = sorted((Path(__file__).parent / "broken").glob("*.yaml"))
+
+H200_POOLS = """
+model: {block_size: 64, dtype: bfloat16}
+pools:
+  prefill:
+    replicas: 2
+    gpus_per_replica: 8
+    node_labels: {role: prefill}
+    engine: {tensor_parallel_size: 8}
+  decode:
+    replicas: 2
+    gpus_per_replica: 16
+    nodes_per_replica: 2
+    node_labels: {role: decode}
+    engine: {tensor_parallel_size: 16, enable_expert_parallel: true}
+"""
+H200_NODES = """
+nodes:
+  - {name: prefill, labels: {role: prefill}, gpus: 8, cpus: 192, count: 2}
+  - {name: decode, labels: {role: decode}, gpus: 8, cpus: 192, count: 4}
+"""
+
+
+def expectation(path: Path, key: str) -> str:
+    match = re.search(rf"^# expect-{key}:(.*)$", path.read_text(), re.MULTILINE)
+    assert match, f"{path.name} lacks an '# expect-{key}:' line"
+    return match[1].strip()
+
+
+@pytest.mark.parametrize("path", BROKEN, ids=[p.stem for p in BROKEN])
+def test_broken_config_names_the_field_and_reason(path: Path) -> None:
+    with pytest.raises(TopologyError) as info:
+        load_topology(path)
+    assert info.value.path == expectation(path, "path")
+    assert info.value.reason == expectation(path, "reason")
+    assert str(info.value).startswith(f"{path}: ")
+
+
+def test_there_are_broken_configs_for_each_kind_of_mistake() -> None:
+    assert {p.stem for p in BROKEN} >= {
+        "unknown_key",
+        "wrong_type",
+        "tp_mismatch",
+        "gpus_per_replica_mismatch",
+        "replica_larger_than_node",
+        "port_clash",
+    }
+
+
+def test_defaults_are_the_local_cpu_cluster() -> None:
+    topo = Topology()
+    topo.validate()
+    assert topo.model.source == "builtin:tiny-llama"
+    assert topo.model.block_size % 32 == 0
+    for _, pool in topo.pools.items():
+        assert pool.replicas == 1
+        assert not pool.uses_gpus
+    # Two engines on one machine get distinct cores.
+    assert topo.pools.prefill.cpu_engine.threads_bind != topo.pools.decode.cpu_engine.threads_bind
+    assert (topo.server.grpc_host, topo.server.grpc_port) == ("127.0.0.1", 50051)
+    assert topo.ray.address is None
+
+
+def test_empty_document_gives_the_defaults() -> None:
+    assert parse_topology("") == Topology()
+    assert parse_topology({}) == Topology()
+
+
+def test_error_string_names_source_path_and_reason() -> None:
+    with pytest.raises(TopologyError) as info:
+        parse_topology(
+            "pools:\n  prefill: {gpus_per_replica: 8, engine: {tensor_parallel_size: 8}}\n"
+            "  decode: {gpus_per_replica: 4, engine: {tensor_parallel_size: 4}}\nmodel: {block_size: 64}\n",
+            source="deploy/x.yaml",
+        )
+    assert str(info.value) == (
+        "deploy/x.yaml: pools.decode.engine.tensor_parallel_size: must be a multiple of "
+        "pools.prefill.engine.tensor_parallel_size (8), got 4"
+    )
+
+
+def test_unknown_key_without_close_match_lists_allowed_keys() -> None:
+    with pytest.raises(TopologyError) as info:
+        parse_topology("router: {zzz: 1}")
+    assert info.value.path == "router.zzz"
+    assert info.value.reason.startswith("unknown key (allowed: local_prefill_max_tokens, session_affinity")
+
+
+def test_unknown_key_inside_a_list_item() -> None:
+    with pytest.raises(TopologyError) as info:
+        parse_topology("nodes: [{name: a, cpus: 4, gpu: 8}]")
+    assert info.value.path == "nodes[0].gpu"
+    assert info.value.reason == "unknown key (did you mean 'gpus'?)"
+
+
+def test_unknown_top_level_key() -> None:
+    with pytest.raises(TopologyError) as info:
+        parse_topology("pool: {}")
+    assert (info.value.path, info.value.reason) == ("pool", "unknown key (did you mean 'pools'?)")
+
+
+def test_document_must_be_a_mapping() -> None:
+    with pytest.raises(TopologyError) as info:
+        parse_topology("- a\n- b\n", source="t.yaml")
+    assert (info.value.path, info.value.reason) == ("", "Expected `object`, got `array`")
+    assert str(info.value) == "t.yaml: Expected `object`, got `array`"
+
+
+def test_missing_file_is_a_topology_error(tmp_path: Path) -> None:
+    with pytest.raises(TopologyError) as info:
+        load_topology(tmp_path / "nope.yaml")
+    assert info.value.reason.startswith("cannot read topology file")
+
+
+def test_structs_reject_positional_arguments_and_mutation() -> None:
+    with pytest.raises(TypeError):
+        Pool(1)  # type: ignore[misc]
+    pool = Pool()
+    with pytest.raises(AttributeError):
+        pool.replicas = 3  # type: ignore[misc]
+
+
+def test_topology_round_trips_through_builtins() -> None:
+    # The Serve application receives msgspec.to_builtins(topology); the replicas must get the same back.
+    topo = parse_topology(H200_POOLS + H200_NODES)
+    assert msgspec.convert(msgspec.to_builtins(topo), Topology) == topo
+
+
+def test_prefill_may_be_off() -> None:
+    topo = parse_topology("pools: {prefill: {replicas: 0}}")
+    assert topo.pools.prefill.replicas == 0
+
+
+def test_gpus_per_node_defaults_to_an_even_split() -> None:
+    topo = parse_topology(H200_POOLS)
+    assert topo.pools.decode.node_gpus == 8
+    assert topo.pools.prefill.node_gpus == 8
+
+
+def test_uneven_split_over_nodes_is_rejected() -> None:
+    with pytest.raises(TopologyError) as info:
+        parse_topology(
+            "model: {block_size: 64}\npools:\n  prefill: {replicas: 0}\n"
+            "  decode: {gpus_per_replica: 12, nodes_per_replica: 5, engine: {tensor_parallel_size: 12}}"
+        )
+    assert info.value.path == "pools.decode.nodes_per_replica"
+    assert info.value.reason == "gpus_per_replica (12) does not split evenly over 5 nodes"
+
+
+def test_heterogeneous_tp_is_accepted_when_decode_is_a_multiple() -> None:
+    topo = parse_topology(H200_POOLS + H200_NODES)
+    assert topo.pools.decode.engine.tensor_parallel_size == 16
+
+
+def test_decode_tp_rule_does_not_apply_without_prefill() -> None:
+    parse_topology(
+        "model: {block_size: 64}\npools:\n  prefill: {replicas: 0, gpus_per_replica: 8,"
+        " engine: {tensor_parallel_size: 8}}\n"
+        "  decode: {gpus_per_replica: 4, engine: {tensor_parallel_size: 4}}"
+    )
+
+
+def test_block_size_must_be_a_multiple_of_16() -> None:
+    with pytest.raises(TopologyError) as info:
+        parse_topology("model: {block_size: 24}")
+    assert (info.value.path, info.value.reason) == ("model.block_size", "must be a multiple of 16, got 24")
+
+
+def test_gpu_pools_accept_block_size_16() -> None:
+    topo = parse_topology(H200_POOLS.replace("block_size: 64", "block_size: 16"))
+    assert topo.model.block_size == 16
+
+
+def test_threads_bind_forms() -> None:
+    for good in ("auto", "0", "0-3", "0,2,4-7"):
+        parse_topology(f"pools: {{decode: {{cpu: {{threads_bind: '{good}'}}}}}}")
+    with pytest.raises(TopologyError) as info:
+        parse_topology("pools: {decode: {cpu: {threads_bind: 'cores 0'}}}")
+    assert info.value.path == "pools.decode.cpu.threads_bind"
+
+
+def test_ray_address_forms() -> None:
+    for good in ("10.0.0.1:6379", "head.internal:6379", "auto"):
+        assert parse_topology(f"ray: {{address: '{good}'}}").ray.address == good
+    with pytest.raises(TopologyError) as info:
+        parse_topology("ray: {address: 'ray://head'}")
+    assert info.value.path == "ray.address"
+
+
+def test_engine_extra_passes_other_args_through() -> None:
+    topo = parse_topology("pools: {decode: {engine: {extra: {enable_prefix_caching: true, seed: 3}}}}")
+    assert topo.pools.decode.engine.extra == {"enable_prefix_caching": True, "seed": 3}
+
+
+def test_label_selectors_accept_ray_operators() -> None:
+    topo = parse_topology("pools: {decode: {node_labels: {role: 'in(decode,both)', spot: '!true'}}}")
+    assert topo.pools.decode.node_labels == {"role": "in(decode,both)", "spot": "!true"}
+
+
+def test_selector_matches_ray_semantics() -> None:
+    labels = {"role": "decode", "accelerator": "h200"}
+    assert selector_matches({}, labels)
+    assert selector_matches({"role": "decode"}, labels)
+    assert not selector_matches({"role": "prefill"}, labels)
+    assert selector_matches({"role": "in(prefill, decode)"}, labels)
+    assert not selector_matches({"role": "!in(prefill,decode)"}, labels)
+    assert selector_matches({"spot": "!true"}, labels)  # an absent label differs from any value
+    assert not selector_matches({"accelerator": "!h200"}, labels)
+    assert not selector_matches({"zone": "a"}, labels)
+
+
+def test_gpu_replica_bundles_are_one_per_gpu_with_the_actor_in_bundle_0() -> None:
+    pool = parse_topology(H200_POOLS).pools.decode
+    bundles = pool.bundles()
+    assert len(bundles) == 16
+    assert all(b["GPU"] == 1 for b in bundles)
+    assert bundles[0]["CPU"] == CPUS_PER_GPU_WORKER + pool.cpus_per_replica
+    assert all(b["CPU"] == CPUS_PER_GPU_WORKER for b in bundles[1:])
+    assert pool.distributed_executor_backend == "ray"
+    # Grouped per node, the bundles are exactly what the node shapes say.
+    shapes = pool.node_shapes()
+    assert len(shapes) == 2
+    assert sum(s["GPU"] for s in shapes) == sum(b["GPU"] for b in bundles)
+    assert sum(s["CPU"] for s in shapes) == sum(b["CPU"] for b in bundles)
+
+
+def test_cpu_replica_is_one_bundle() -> None:
+    pool = Topology().pools.decode
+    assert pool.bundles() == [{"CPU": pool.cpus_per_replica}]
+    assert pool.distributed_executor_backend is None
+
+
+def test_inventory_that_fits_exactly() -> None:
+    topo = parse_topology(H200_POOLS + H200_NODES)
+    assert topo.nodes == [
+        NodeGroup(name="prefill", labels={"role": "prefill"}, gpus=8, cpus=192, count=2),
+        NodeGroup(name="decode", labels={"role": "decode"}, gpus=8, cpus=192, count=4),
+    ]
+
+
+def test_inventory_counts_cpus_of_the_replica_actor() -> None:
+    # 8 GPU bundles take 8 CPUs, plus 8 for the actor: 16 > 12 CPUs of the node.
+    text = H200_POOLS.replace(
+        "replicas: 2\n    gpus_per_replica: 8",
+        "replicas: 2\n    gpus_per_replica: 8\n    cpus_per_replica: 8",
+    ) + H200_NODES.replace("gpus: 8, cpus: 192, count: 2", "gpus: 8, cpus: 12, count: 2")
+    with pytest.raises(TopologyError) as info:
+        parse_topology(text)
+    assert info.value.path == "pools.prefill.cpus_per_replica"
+    assert info.value.reason == (
+        "a replica needs 16 CPUs on its first node, larger than any node labelled {role: prefill}"
+        " (12 CPUs at most)"
+    )
+
+
+def test_two_small_replicas_share_a_node_in_the_inventory() -> None:
+    text = """
+model: {block_size: 64}
+pools:
+  prefill: {replicas: 2, gpus_per_replica: 4, engine: {tensor_parallel_size: 4}}
+  decode: {replicas: 2, gpus_per_replica: 4, engine: {tensor_parallel_size: 4}}
+nodes: [{name: gpu, gpus: 8, cpus: 64, count: 2}]
+"""
+    parse_topology(text)
+    with pytest.raises(TopologyError) as info:
+        parse_topology(text.replace("prefill: {replicas: 2", "prefill: {replicas: 3"))
+    assert info.value.path == "pools.prefill.replicas"
+    assert info.value.reason == (
+        "3 replicas do not fit the nodes labelled {}: only 2 fit after placing 2 decode"
+    )
+
+
+def test_node_group_names_are_unique() -> None:
+    with pytest.raises(TopologyError) as info:
+        parse_topology("nodes: [{name: a, cpus: 8}, {name: a, cpus: 8}]")
+    assert (info.value.path, info.value.reason) == ("nodes[1].name", "'a' names two node groups")
+
+
+def test_inventory_labels_are_plain_values() -> None:
+    with pytest.raises(TopologyError) as info:
+        parse_topology("nodes: [{name: a, cpus: 8, labels: {role: '!decode'}}]")
+    assert info.value.path == "nodes[0].labels.role"

@@ -1,0 +1,112 @@
+"""Running a real pdserve cluster for end-to-end tests: `pdserve up` as a subprocess on a test topology (real
+Ray, real Serve, real vLLM engines on CPU, real NIXL), torn down with `pdserve down`."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+PDSERVE = str(Path(sys.executable).with_name("pdserve"))
+UP_TIMEOUT_S = 420
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def make_topology(tmp_path: Path, **overrides: object) -> Path:
+    """deploy/local.yaml with ports of its own, so tests never collide with a developer's cluster."""
+    topo = yaml.safe_load((REPO / "deploy" / "local.yaml").read_text())
+    topo["server"]["grpc_port"] = free_port()
+    topo["server"]["metrics_port"] = free_port()
+    topo["ray"]["dashboard_port"] = free_port()
+    for dotted, value in overrides.items():
+        node = topo
+        *parents, leaf = dotted.split("__")
+        for key in parents:
+            node = node[key]
+        node[leaf] = value
+    path = tmp_path / "topology.yaml"
+    path.write_text(yaml.safe_dump(topo))
+    return path
+
+
+class RunningCluster:
+    def __init__(self, topology: Path) -> None:
+        self.topology = topology
+        cfg = yaml.safe_load(topology.read_text())
+        self.target = f"127.0.0.1:{cfg['server']['grpc_port']}"
+        self.metrics_url = f"http://127.0.0.1:{cfg['server']['metrics_port']}/metrics"
+        self.log: list[str] = []
+        self.proc = subprocess.Popen(
+            [PDSERVE, "up", "-f", str(topology)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=dict(os.environ),
+        )
+        self._ready = threading.Event()
+        threading.Thread(target=self._read_output, daemon=True).start()
+
+    def _read_output(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.log.append(line)
+            if line.startswith("pdserve is up"):
+                self._ready.set()
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + UP_TIMEOUT_S
+        while not self._ready.wait(1.0):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                tail = "".join(self.log[-60:])
+                raise RuntimeError(f"pdserve up did not come up (exit {self.proc.poll()}):\n{tail}")
+
+    def processes(self) -> list[psutil.Process]:
+        """Every process of this cluster: `pdserve up`, Ray's daemons of its session, their descendants
+        (replica actors, vLLM engine cores and workers)."""
+        session = Path("/tmp/ray/session_latest").resolve().name
+        roots = [psutil.Process(self.proc.pid)]
+        for p in psutil.process_iter(["cmdline"]):
+            if any(session in part for part in (p.info["cmdline"] or [])):
+                roots.append(p)
+        found: dict[int, psutil.Process] = {}
+        for root in roots:
+            try:
+                for p in [root, *root.children(recursive=True)]:
+                    found[p.pid] = p
+            except psutil.NoSuchProcess:
+                continue
+        return list(found.values())
+
+    def down(self) -> subprocess.CompletedProcess[str]:
+        """`pdserve down`; if that fails, stop `pdserve up` directly so a test never hangs on teardown."""
+        result = subprocess.run([PDSERVE, "down"], capture_output=True, text=True, timeout=300)
+        try:
+            self.proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            self.proc.terminate()
+            self.proc.wait(timeout=120)
+        return result
+
+
+def alive(processes: list[psutil.Process]) -> list[str]:
+    left = []
+    for p in processes:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                left.append(f"{p.pid} {' '.join(p.cmdline())[:120]}")
+        except psutil.NoSuchProcess:
+            continue
+    return left

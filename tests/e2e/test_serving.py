@@ -1,0 +1,205 @@
+"""End to end on real components: `pdserve up` (Ray Serve, a vLLM prefill engine and a vLLM decode engine
+on CPU, NIXL KV transfer), driven through the public gRPC API."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from engine.tiny_model import ensure_tiny_model
+from router.api import pdserve_pb2 as pb
+from router.client import PdserveClient, PdserveError
+from router.tokenizer import PromptTokenizer
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[2]
+BLOCK = 32
+
+# Prompts of several lengths, each several KV blocks (block size 32).
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog. " * 12,
+    "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n" * 8,
+    "Agents call tools, read results, and call more tools until the task is done. " * 20,
+]
+CHAT = [
+    {"role": "system", "content": "You are a coding agent."},
+    {"role": "user", "content": "List the files in the repository and summarise the README."},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"id": "call_1", "name": "ls", "arguments": {"path": "."}}],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": "README.md\nrouter/\ncluster/\n" * 4},
+]
+TOOLS = [
+    {
+        "name": "ls",
+        "description": "List a directory",
+        "parameters": {"type": "object", "properties": {"path": {"type": "string"}}},
+    }
+]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> PromptTokenizer:
+    return PromptTokenizer(ensure_tiny_model())
+
+
+@pytest.fixture(scope="module")
+def chat_ids(tokenizer: PromptTokenizer) -> list[int]:
+    from router.client import chat_message, tool
+    from router.tokenizer import message_dicts, tool_dicts
+
+    return tokenizer.encode_chat(
+        message_dicts([chat_message(m) for m in CHAT]), tool_dicts([tool(t) for t in TOOLS])
+    )
+
+
+@pytest.fixture(scope="module")
+def reference(tokenizer: PromptTokenizer, chat_ids: list[int]) -> list[list[int]]:
+    """Greedy outputs of one plain vLLM engine, computed before the cluster starts (memory: 2 cores, 3
+    engines would contend)."""
+    requests = [{"prompt_token_ids": tokenizer.encode_text(t), "max_tokens": MAX_TOKENS} for t in TEXTS]
+    requests.append({"prompt_token_ids": chat_ids, "max_tokens": MAX_TOKENS})
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "e2e" / "reference_engine.py")],
+        input=json.dumps(requests),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("REFERENCE_OUTPUT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    return json.loads(lines[0].removeprefix("REFERENCE_OUTPUT "))
+
+
+@pytest.fixture(scope="module")
+def client(reference: list[list[int]], cluster: Any) -> Any:
+    c = PdserveClient(cluster.target, timeout=120)
+    yield c
+    c.close()
+
+
+def replica(client: PdserveClient, role: str) -> pb.Replica:
+    (r,) = [r for r in client.cluster_status() if r.role == role]
+    return r
+
+
+def wait_for_heartbeat(client: PdserveClient, role: str, finished_at_least: int) -> pb.Replica:
+    """Engine counters reach the registry with the replica's heartbeat (every 2 s)."""
+    deadline = time.monotonic() + 15
+    while True:
+        r = replica(client, role)
+        if r.requests_finished >= finished_at_least or time.monotonic() > deadline:
+            return r
+        time.sleep(0.5)
+
+
+def test_greedy_output_through_prefill_decode_equals_a_single_engine(
+    client: PdserveClient, tokenizer: PromptTokenizer, reference: list[list[int]]
+) -> None:
+    for text, expected in zip(TEXTS, reference[: len(TEXTS)], strict=True):
+        assert len(tokenizer.encode_text(text)) >= 2 * BLOCK
+        done = client.generate_text(prompt=text, max_tokens=MAX_TOKENS, temperature=0.0)
+        assert done.token_ids == expected
+        assert done.served_by.path == pb.SERVING_PATH_DISAGGREGATED
+        assert done.served_by.prefill_replica and done.served_by.decode_replica
+        assert done.usage.prompt_tokens == len(tokenizer.encode_text(text))
+
+
+def test_chat_with_tools_through_prefill_decode_equals_a_single_engine(
+    client: PdserveClient, chat_ids: list[int], reference: list[list[int]]
+) -> None:
+    done = client.generate_text(messages=CHAT, tools=TOOLS, max_tokens=MAX_TOKENS, temperature=0.0)
+    assert done.token_ids == reference[-1]
+    assert done.usage.prompt_tokens == len(chat_ids)
+    assert list(client.tokenize(messages=CHAT, tools=TOOLS).token_ids) == chat_ids
+
+
+def test_decode_engine_pulls_the_prompt_kv_instead_of_recomputing_it(client: PdserveClient) -> None:
+    before = wait_for_heartbeat(client, "decode", 0)
+    time.sleep(2.5)  # a heartbeat after any earlier request finished
+    before = replica(client, "decode")
+    # A prompt no earlier test sent (no prefix shared with them), 7 full blocks.
+    prompt = list(range(1000, 1000 + 7 * BLOCK))
+    done = client.generate_text(token_ids=prompt, max_tokens=4, temperature=0.0)
+    assert done.served_by.path == pb.SERVING_PATH_DISAGGREGATED
+    after = wait_for_heartbeat(client, "decode", before.requests_finished + 1)
+    assert after.requests_finished == before.requests_finished + 1
+    # Every prompt token reached the decode engine as external KV; it computed none of them.
+    assert after.prompt_tokens_external_kv - before.prompt_tokens_external_kv == len(prompt)
+    assert after.prompt_tokens_computed == before.prompt_tokens_computed
+    assert after.nixl_bytes_transferred > before.nixl_bytes_transferred
+
+
+def test_a_long_generation_streams_in_several_messages(client: PdserveClient) -> None:
+    arrivals: list[tuple[float, int, bool]] = []
+    for message in client.generate(
+        prompt="Once upon a time", max_tokens=300, ignore_eos=True, temperature=0.0
+    ):
+        arrivals.append((time.monotonic(), len(message.token_ids), message.HasField("final")))
+    assert arrivals[-1][2], "the last message carries `final`"
+    assert sum(n for _, n, _ in arrivals) == 300
+    token_messages = [a for a in arrivals if a[1] > 0]
+    assert len(token_messages) >= 5
+    # The first tokens arrived while generation was still going on.
+    assert token_messages[0][0] < arrivals[-1][0] - 0.05
+
+
+BAD_REQUESTS: list[tuple[dict[str, Any], str]] = [
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}, "messages"),
+    ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": -3}, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": 100_000}, "max_tokens"),
+    ({"token_ids": list(range(3, 2100))}, "prompt_token_ids"),
+    ({"prompt": "hi", "model": "no-such-model"}, "model"),
+    ({"prompt": "hi", "temperature": -1.0}, "temperature"),
+    ({"prompt": "hi", "temperature": 9.0}, "temperature"),
+    ({"prompt": "hi", "top_p": 0.0}, "top_p"),
+    ({"prompt": "hi", "top_p": 1.5}, "top_p"),
+    ({"prompt": "hi", "top_k": 0}, "top_k"),
+    ({"prompt": "hi", "stop": [""]}, "stop"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "role"),
+    ({"token_ids": [5, 999_999]}, "prompt_token_ids"),
+]
+
+
+def test_bad_input_is_refused_with_a_message_naming_the_field_and_reaches_no_engine(
+    client: PdserveClient,
+) -> None:
+    time.sleep(2.5)
+    before = {role: replica(client, role).requests_finished for role in ("prefill", "decode")}
+    for kwargs, field in BAD_REQUESTS:
+        with pytest.raises(PdserveError) as err:
+            client.generate_text(**kwargs)
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT, kwargs
+        assert field in err.value.message, (kwargs, err.value.message)
+    time.sleep(2.5)
+    after = {role: replica(client, role).requests_finished for role in ("prefill", "decode")}
+    assert after == before, "a refused request reached an engine"
+    # ... and the cluster serves normally afterwards.
+    done = client.generate_text(prompt="Still serving?", max_tokens=4)
+    assert done.usage.completion_tokens == 4
+
+
+def test_list_models_health_and_metrics(client: PdserveClient, cluster: Any) -> None:
+    import urllib.request
+
+    (model,) = client.list_models()
+    assert (model.id, model.max_model_len, model.block_size) == ("tiny-llama", 2048, BLOCK)
+    assert client.health() == "SERVING"
+    body = urllib.request.urlopen(cluster.metrics_url, timeout=10).read().decode()
+    assert 'pdserve_requests_total{code="OK"}' in body
+    assert 'pdserve_requests_total{code="INVALID_ARGUMENT"}' in body
+    assert "pdserve_ttft_seconds_bucket" in body
