@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from cluster.ray_auth import use_ray_token_auth
 from cluster.topology import Topology
 
 APP_NAME = "pdserve"
@@ -60,15 +61,6 @@ class RunState:
     @classmethod
     def clear(cls) -> None:
         cls.path().unlink(missing_ok=True)
-
-
-def use_ray_token_auth() -> None:
-    """Ray 2.60's `ray start` turns on token authentication (token in ~/.ray/auth_token); drivers and
-    dashboard clients must opt in to send it. pdserve keeps it on: the cluster runs code on request."""
-    if "ray" in sys.modules and "RAY_AUTH_MODE" not in os.environ:
-        # Ray reads its auth mode once, at import.
-        raise RuntimeError("use_ray_token_auth() must run before Ray is imported")
-    os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 
 def _ray_bin() -> str:

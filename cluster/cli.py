@@ -27,9 +27,9 @@ log = logging.getLogger("pdserve")
 
 
 def main(argv: list[str] | None = None) -> int:
-    from cluster.bootstrap import use_ray_token_auth
+    from cluster.ray_auth import use_ray_token_auth
 
-    # Before Ray is imported anywhere in this process: Ray reads its auth mode once.
+    # First thing: Ray reads its auth mode once, at import.
     use_ray_token_auth()
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -16,6 +16,7 @@ import msgspec
 import yaml
 
 from cluster.topology import NodeGroup, Pool, Topology, TopologyError
+from router.serve_request_router import IMPORT_PATH as HINT_ROUTER_IMPORT_PATH
 
 IMPORT_PATH = "cluster.serve_app:build_app"
 RAY_VERSION = "2.60.0"
@@ -55,6 +56,8 @@ def _deployment(role: str, pool: Pool) -> dict[str, Any]:
         "ray_actor_options": _actor_options(pool),
         "placement_group_bundles": pool.bundles(),
         "placement_group_strategy": _placement_strategy(pool),
+        # Calls carry the router's replica choice; this Serve request router honours it.
+        "request_router_config": {"request_router_class": HINT_ROUTER_IMPORT_PATH},
     }
     if pool.node_labels:
         # One selector applies to every bundle of the replica (Serve accepts one entry or one per bundle).

@@ -10,6 +10,9 @@ from engine.replica import EngineReplica
 
 
 class DecodeServer(EngineReplica):
-    async def generate(self, req: EngineRequest) -> AsyncIterator[TokenBatch]:
+    # replica_hint: the router's choice, read by its Serve request router (router/serve_request_router.py).
+    async def generate(
+        self, req: EngineRequest, replica_hint: str | None = None
+    ) -> AsyncIterator[TokenBatch]:
         async for batch in self.host.generate(req):
             yield batch

@@ -7,5 +7,6 @@ from engine.replica import EngineReplica
 
 
 class PrefillServer(EngineReplica):
-    async def prefill(self, req: EngineRequest) -> PrefillResult:
+    # replica_hint: the router's choice, read by its Serve request router (router/serve_request_router.py).
+    async def prefill(self, req: EngineRequest, replica_hint: str | None = None) -> PrefillResult:
         return await self.host.prefill(req)

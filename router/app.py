@@ -17,8 +17,10 @@ from ray import serve
 from cluster.topology import Topology
 from engine.messages import ReplicaInfo
 from router.api import pdserve_pb2 as pb
+from router.cluster_view import ClusterView
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator
+from router.policy.selector import PdservePolicy, PdservePolicyConfig
 from router.routing import RequestRouter
 from router.server import PdserveService, start_grpc_server
 from router.tokenizer import PromptTokenizer
@@ -37,6 +39,15 @@ class RouterProcess:
         prefill = serve.get_deployment_handle("prefill", app_name) if has_prefill else None
         decode = serve.get_deployment_handle("decode", app_name)
         self._registry = serve.get_deployment_handle("registry", app_name)
+        self.policy = PdservePolicy(
+            PdservePolicyConfig(
+                local_prefill_max_tokens=topo.router.local_prefill_max_tokens,
+                session_affinity=topo.router.session_affinity,
+            )
+        )
+        self.view = ClusterView(
+            self._registry, block_size=topo.model.block_size, timing=self.policy.config.weights.timing
+        )
         # Read secrets and certificates now, not on the event loop; the token's value is never logged.
         cfg = topo.server
         self._tls = None
@@ -57,7 +68,11 @@ class RouterProcess:
             block_size=topo.model.block_size,
             orchestrator=Orchestrator(prefill, decode, block_size=topo.model.block_size),
             router=RequestRouter(
-                has_prefill_pool=has_prefill, overload_queue_tokens=topo.router.overload_queue_tokens
+                view=self.view,
+                policy=self.policy,
+                block_size=topo.model.block_size,
+                has_prefill_pool=has_prefill,
+                overload_queue_tokens=topo.router.overload_queue_tokens,
             ),
             metrics=self.metrics,
             cluster_status=self.cluster_status,
@@ -69,6 +84,8 @@ class RouterProcess:
 
     async def serve_until(self, stop: asyncio.Event) -> None:
         cfg = self.topo.server
+        await self.view.refresh()
+        view_task = asyncio.create_task(self.view.run(), name="cluster-view")
         self.metrics.serve(cfg.metrics_host, cfg.metrics_port)
         server, health = await start_grpc_server(
             self.service, host=cfg.grpc_host, port=cfg.grpc_port, tls=self._tls, auth_token=self._token
@@ -80,6 +97,7 @@ class RouterProcess:
             await health.enter_graceful_shutdown()
             # In-flight streams get a grace period to finish; new calls are refused meanwhile.
             await server.stop(grace=10.0)
+            view_task.cancel()
 
 
 def _replica_status(info: ReplicaInfo) -> pb.Replica:

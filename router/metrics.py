@@ -53,6 +53,13 @@ class RouterMetrics:
         self.predicted_cached_tokens = Counter(
             "pdserve_predicted_cached_tokens", "Prompt tokens the router predicted to be cached.", registry=r
         )
+        self.cache_prediction_error = Histogram(
+            "pdserve_cache_prediction_error_tokens",
+            "Per request: engine-reported minus router-predicted cached prompt tokens (0 = the router's KV "
+            "index agrees with the engine; negative = it expected cache that was not there).",
+            buckets=(-4096, -1024, -256, -64, -1, 0, 64, 256, 1024, 4096),
+            registry=r,
+        )
         self.kv_transfer_tokens = Counter(
             "pdserve_kv_transfer_tokens",
             "Prompt tokens whose KV was handed from a prefill to a decode replica.",

@@ -12,9 +12,10 @@ cancelled, and the engine aborts the request.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 import msgspec
@@ -71,8 +72,15 @@ class Orchestrator:
         self._block_size = block_size
 
     async def run(
-        self, request_id: str, prompt_token_ids: list[int], sampling: Sampling, route: Route
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: Sampling,
+        route: Route,
+        on_prefill_done: Callable[[], None] = lambda: None,
     ) -> AsyncIterator[TokenBatch | Completion]:
+        """Stream the request's token batches, then its Completion. `on_prefill_done` is called once the
+        prompt is computed (prefill leg returned, or decode's first token after a local prefill)."""
         started = time.monotonic()
         prefill_result: PrefillResult | None = None
         path: ServingPath = "local_prefill"
@@ -87,6 +95,8 @@ class Orchestrator:
                 path = "decode_full_prefill"
                 note = "the prefill leg returned no KV transfer parameters; decode prefilled the whole prompt"
         prefill_done = time.monotonic()
+        if prefill_result is not None:
+            on_prefill_done()
 
         decode_req = EngineRequest(
             request_id=f"{request_id}-d",
@@ -96,34 +106,38 @@ class Orchestrator:
         )
         completion_tokens = 0
         ttft_ms = 0.0
-        async for batch in self._decode_leg(decode_req, route):
-            if batch.token_ids and completion_tokens == 0:
-                ttft_ms = (time.monotonic() - started) * 1e3
-            completion_tokens += len(batch.token_ids)
-            if batch.finish_reason is None:
-                yield batch
-                continue
-            # The last batch: stream its tokens, then the summary.
-            yield TokenBatch(token_ids=batch.token_ids, text=batch.text)
-            yield Completion(
-                finish_reason=batch.finish_reason,
-                stop_reason=batch.stop_reason,
-                prompt_tokens=batch.num_prompt_tokens,
-                cached_tokens=batch.num_cached_tokens,
-                completion_tokens=completion_tokens,
-                kv_transferred_tokens=self._handed_off_tokens(kv_params, len(prompt_token_ids)),
-                predicted_cached_tokens=route.predicted_cached_tokens,
-                path=path,
-                prefill_replica=prefill_result.replica_id if prefill_result else "",
-                prefill_node=prefill_result.node_id if prefill_result else "",
-                decode_replica=batch.replica_id,
-                decode_node=batch.node_id,
-                note=note,
-                ttft_ms=ttft_ms,
-                prefill_ms=(prefill_done - started) * 1e3,
-                e2e_ms=(time.monotonic() - started) * 1e3,
-            )
-            return
+        # aclosing: if our consumer stops early, the decode stream is cancelled now, not at GC time.
+        async with contextlib.aclosing(self._decode_leg(decode_req, route)) as batches:
+            async for batch in batches:
+                if batch.token_ids and completion_tokens == 0:
+                    ttft_ms = (time.monotonic() - started) * 1e3
+                    if prefill_result is None:
+                        on_prefill_done()
+                completion_tokens += len(batch.token_ids)
+                if batch.finish_reason is None:
+                    yield batch
+                    continue
+                # The last batch: stream its tokens, then the summary.
+                yield TokenBatch(token_ids=batch.token_ids, text=batch.text)
+                yield Completion(
+                    finish_reason=batch.finish_reason,
+                    stop_reason=batch.stop_reason,
+                    prompt_tokens=batch.num_prompt_tokens,
+                    cached_tokens=batch.num_cached_tokens,
+                    completion_tokens=completion_tokens,
+                    kv_transferred_tokens=self._handed_off_tokens(kv_params, len(prompt_token_ids)),
+                    predicted_cached_tokens=route.predicted_cached_tokens,
+                    path=path,
+                    prefill_replica=prefill_result.replica_id if prefill_result else "",
+                    prefill_node=prefill_result.node_id if prefill_result else "",
+                    decode_replica=batch.replica_id,
+                    decode_node=batch.node_id,
+                    note=note,
+                    ttft_ms=ttft_ms,
+                    prefill_ms=(prefill_done - started) * 1e3,
+                    e2e_ms=(time.monotonic() - started) * 1e3,
+                )
+                return
         raise RuntimeError(f"decode stream for {request_id} ended without a final batch")
 
     async def _prefill_leg(self, request_id: str, prompt: list[int], route: Route) -> PrefillResult:
@@ -132,7 +146,8 @@ class Orchestrator:
         assert handle is not None
         # One retry when the replica died under us: Serve routes the retry to a live replica.
         for attempt in (1, 2):
-            response = handle.prefill.remote(req)
+            hint = route.prefill_replica if attempt == 1 else None
+            response = handle.prefill.remote(req, replica_hint=hint)
             try:
                 return await response
             except REPLICA_LOST as exc:
@@ -144,11 +159,12 @@ class Orchestrator:
                 raise
         raise AssertionError("unreachable")
 
-    async def _decode_leg(self, req: EngineRequest, route: Route) -> AsyncIterator[TokenBatch]:
+    async def _decode_leg(self, req: EngineRequest, route: Route) -> AsyncGenerator[TokenBatch, None]:
         handle = self._decode
         sent_any = False
         for attempt in (1, 2):
-            stream = handle.options(stream=True).generate.remote(req)
+            hint = route.decode_replica if attempt == 1 else None
+            stream = handle.options(stream=True).generate.remote(req, replica_hint=hint)
             finished = False
             try:
                 async for batch in stream:

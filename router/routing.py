@@ -1,24 +1,53 @@
 """Admission and replica choice for each request, in front of the orchestrator.
 
-Admission: requests are refused with RESOURCE_EXHAUSTED (never queued without bound) once the prompt
-tokens admitted and not yet finished exceed `overload_queue_tokens`.
+admission (RESOURCE_EXHAUSTED beyond `overload_queue_tokens` in flight)
+  -> hash the prompt's blocks (per session: a new turn hashes only its new blocks)
+  -> the policy chooses prefill and decode replicas jointly from the KV index and the load
+  -> dispatch is counted (load), the route goes to the orchestrator with the replica hints.
 """
 
 from __future__ import annotations
 
+import logging
+
+import msgspec
+
 from engine.messages import Sampling
+from router.block_hash import SessionHasher
+from router.cluster_view import ClusterView
 from router.orchestrator import Route
+from router.policy.types import Decision, Policy, RouteRequest
+
+log = logging.getLogger(__name__)
 
 
 class Overloaded(Exception):
     pass
 
 
+class _Admitted(msgspec.Struct):
+    tokens: int
+    req: RouteRequest | None
+    decision: Decision | None
+
+
 class RequestRouter:
-    def __init__(self, *, has_prefill_pool: bool, overload_queue_tokens: int) -> None:
+    def __init__(
+        self,
+        *,
+        view: ClusterView,
+        policy: Policy,
+        block_size: int,
+        has_prefill_pool: bool,
+        overload_queue_tokens: int,
+    ) -> None:
+        self._view = view
+        self._policy = policy
+        self._block_size = block_size
         self._has_prefill = has_prefill_pool
         self._limit = overload_queue_tokens
-        self._admitted: dict[str, int] = {}
+        self._hasher = SessionHasher(block_size)
+        self._admitted: dict[str, _Admitted] = {}
         self._admitted_tokens = 0
 
     def route(self, request_id: str, session_id: str | None, prompt: list[int], sampling: Sampling) -> Route:
@@ -27,9 +56,45 @@ class RequestRouter:
                 f"cluster overloaded: {self._admitted_tokens} prompt tokens in flight "
                 f"(limit {self._limit}); retry later"
             )
-        self._admitted[request_id] = len(prompt)
-        self._admitted_tokens += len(prompt)
-        return Route(prefill=self._has_prefill)
+        req = RouteRequest(
+            request_id=request_id,
+            session_id=session_id,
+            num_prompt_tokens=len(prompt),
+            block_hashes=self._hasher.hash(session_id, prompt),
+            block_size=self._block_size,
+            max_tokens=sampling.max_tokens,
+        )
+        prefill = self._view.load.views("prefill") if self._has_prefill else []
+        decode = self._view.load.views("decode")
+        if not decode:
+            # The registry has not reported any decode replica yet (start-up): Serve's own load-based
+            # choice still works, so serve the request without hints rather than refuse it.
+            log.warning("no decode replica registered yet; %s routed without a KV-aware choice", request_id)
+            self._admit(request_id, len(prompt), None, None)
+            return Route(prefill=self._has_prefill)
+        d = self._policy.choose(req, prefill, decode, self._view.index)  # NoReplicaError: UNAVAILABLE
+        self._view.load.on_dispatch(req, d)
+        self._admit(request_id, len(prompt), req, d)
+        return Route(
+            prefill=d.prefill is not None,
+            prefill_replica=d.prefill,
+            decode_replica=d.decode,
+            predicted_cached_tokens=d.predicted_cached_tokens,
+        )
+
+    def _admit(self, request_id: str, tokens: int, req: RouteRequest | None, d: Decision | None) -> None:
+        self._admitted[request_id] = _Admitted(tokens, req, d)
+        self._admitted_tokens += tokens
+
+    def prefill_done(self, request_id: str) -> None:
+        if request_id in self._admitted:
+            self._view.load.on_prefill_done(request_id)
 
     def finish(self, request_id: str) -> None:
-        self._admitted_tokens -= self._admitted.pop(request_id, 0)
+        admitted = self._admitted.pop(request_id, None)
+        if admitted is None:
+            return
+        self._admitted_tokens -= admitted.tokens
+        if admitted.req is not None and admitted.decision is not None:
+            self._view.load.on_finish(request_id)
+            self._policy.on_finish(admitted.req, admitted.decision)

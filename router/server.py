@@ -26,6 +26,7 @@ from router.api import pdserve_pb2 as pb
 from router.api import pdserve_pb2_grpc as pb_grpc
 from router.metrics import RouterMetrics
 from router.orchestrator import Completion, NoReplicaError, Orchestrator
+from router.policy.types import NoReplicaError as NoEligibleReplica
 from router.routing import Overloaded, RequestRouter
 from router.tokenizer import ChatInputError, PromptTokenizer
 from router.validation import (
@@ -111,10 +112,19 @@ class PdserveService(pb_grpc.PdserveServicer):
             route = self._router.route(request_id, valid.session_id or None, prompt_ids, valid.sampling)
         except Overloaded as exc:
             raise _Aborted(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from exc
+        except NoEligibleReplica as exc:
+            raise _Aborted(grpc.StatusCode.UNAVAILABLE, f"no ready replica: {exc}") from exc
         first_token_at: float | None = None
         started = time.monotonic()
         try:
-            async for event in self._orchestrator.run(request_id, prompt_ids, valid.sampling, route):
+            events = self._orchestrator.run(
+                request_id,
+                prompt_ids,
+                valid.sampling,
+                route,
+                on_prefill_done=lambda: self._router.prefill_done(request_id),
+            )
+            async for event in events:
                 if isinstance(event, TokenBatch):
                     if event.token_ids and first_token_at is None:
                         first_token_at = time.monotonic()
@@ -153,6 +163,7 @@ class PdserveService(pb_grpc.PdserveServicer):
         m.completion_tokens.inc(c.completion_tokens)
         m.cached_tokens.inc(c.cached_tokens)
         m.predicted_cached_tokens.inc(c.predicted_cached_tokens)
+        m.cache_prediction_error.observe(c.cached_tokens - c.predicted_cached_tokens)
         m.paths.labels(path=c.path).inc()
 
     async def Tokenize(

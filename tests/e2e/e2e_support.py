@@ -61,8 +61,12 @@ class RunningCluster:
 
     def _read_output(self) -> None:
         assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.log.append(line)
+        # Mirrored to a file next to the topology, for post-mortems of a cluster that died mid-test.
+        with (self.topology.parent / "pdserve-up.log").open("w") as mirror:
+            for line in self.proc.stdout:
+                self.log.append(line)
+                mirror.write(line)
+                mirror.flush()
             if line.startswith("pdserve is up"):
                 self._ready.set()
 

@@ -39,7 +39,7 @@ def test_up_generate_status_down_leaves_nothing_behind(tmp_path: Path) -> None:
 
         status = subprocess.run([PDSERVE, "status", "--json"], capture_output=True, text=True, timeout=60)
         assert status.returncode == 0, status.stderr
-        assert sorted(r["role"] for r in json.loads(status.stdout)) == ["decode", "prefill"]
+        assert sorted(r["role"] for r in json.loads(status.stdout)["replicas"]) == ["decode", "prefill"]
     finally:
         down = cluster.down()
     assert down.returncode == 0, down.stderr

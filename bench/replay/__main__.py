@@ -1,0 +1,5 @@
+import sys
+
+from bench.replay.cli import main
+
+sys.exit(main())

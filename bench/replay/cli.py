@@ -1,0 +1,134 @@
+"""`pdserve replay` / `python -m bench.replay`: replay a real trace through every routing policy.
+
+Example (the issue's Claude Code setting):
+    python -m bench.replay --trace claude-code --replicas 8 --cache-frac 0.02 --target-util 0.6 --json cc.json
+
+Cluster: `--replicas` prefill replicas (the pool whose caches and load the targets are about) and
+`--decode-replicas` decode replicas (default: as many), every replica one 8x H200 node (bench.replay.timing).
+Per-replica cache capacity, prefill and decode alike, is `--cache-frac` x the slice's unique blocks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import msgspec
+
+from bench.replay.metrics import PolicyResult, format_table
+from bench.replay.policies import select
+from bench.replay.runner import run_policy, set_load
+from bench.replay.sim import SimConfig
+from bench.replay.timing import DEFAULT_CALIBRATION, model_from_calibration
+from bench.replay.traces import DEFAULT_TRACES_DIR, infinite_cache_hit_ratio, load_trace
+
+
+class ReplayReport(msgspec.Struct, kw_only=True):
+    trace: str
+    slice: str
+    block_tokens: int
+    unique_blocks: int
+    capacity_blocks: int
+    bound: float
+    config: SimConfig
+    results: list[PolicyResult]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdserve replay", description=__doc__.split("\n\n")[0])
+    p.add_argument("--trace", choices=["claude-code", "mooncake"], required=True)
+    p.add_argument("--traces-dir", type=Path, default=DEFAULT_TRACES_DIR)
+    p.add_argument("--calibration", type=Path, default=DEFAULT_CALIBRATION)
+    p.add_argument("--replicas", type=int, default=8, help="prefill replicas (default 8)")
+    p.add_argument("--decode-replicas", type=int, default=None, help="decode replicas (default: --replicas)")
+    p.add_argument(
+        "--cache-frac", type=float, default=0.02, help="per-replica capacity / slice unique blocks"
+    )
+    p.add_argument("--block-tokens", type=int, default=512, help="router/engine block size in tokens")
+    p.add_argument(
+        "--sessions", type=int, default=None, help="claude-code: sessions in the slice (default all)"
+    )
+    p.add_argument("--requests", type=int, default=None, help="mooncake: first N requests (default all)")
+    p.add_argument("--seed", type=int, default=0, help="session sample and order, start stagger")
+    p.add_argument("--target-util", type=float, default=0.6, help="prefill utilisation the load is set for")
+    p.add_argument("--reference-policy", default="pdserve", help="policy the pilot runs use to set the load")
+    p.add_argument("--pilot-rounds", type=int, default=4, help="pilot runs correcting the analytic load")
+    p.add_argument("--concurrency", type=int, default=None, help="claude-code: fix sessions in flight")
+    p.add_argument("--time-scale", type=float, default=None, help="mooncake: fix the arrival speed-up")
+    p.add_argument("--gap-scale", type=float, default=1.0, help="multiplies every tool/think gap")
+    p.add_argument("--max-gap-s", type=float, default=300.0, help="caps every tool/think gap (s)")
+    p.add_argument("--policies", default="all", help="'all' or comma-separated names")
+    p.add_argument("--json", type=Path, default=None, help="write the full report here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    policies = select(args.policies)
+    limit = args.sessions if args.trace == "claude-code" else args.requests
+    trace = load_trace(
+        args.trace, args.traces_dir, block_tokens=args.block_tokens, limit=limit, seed=args.seed
+    )
+    unique = trace.unique_blocks()
+    capacity = max(1, int(args.cache_frac * unique))
+    bound = infinite_cache_hit_ratio(trace)
+    what = "sessions" if trace.closed_loop else "requests"
+    slice_desc = f"{len(trace.sessions) if trace.closed_loop else trace.num_requests()} {what}"
+    print(
+        f"trace {trace.name}: {slice_desc}, {trace.num_requests()} requests, "
+        f"block {trace.block_tokens} tokens, {unique} unique blocks, capacity {capacity} blocks/replica, "
+        f"infinite-cache bound {bound:.4f}",
+        flush=True,
+    )
+    cfg = SimConfig(
+        prefill_replicas=args.replicas,
+        decode_replicas=args.decode_replicas or args.replicas,
+        capacity_blocks=capacity,
+        gap_scale=args.gap_scale,
+        max_gap_s=args.max_gap_s,
+        seed=args.seed,
+        timing=model_from_calibration(args.calibration),
+    )
+    fixed = args.concurrency if trace.closed_loop else args.time_scale
+    if fixed is not None:
+        cfg = msgspec.structs.replace(cfg, **{"concurrency" if trace.closed_loop else "time_scale": fixed})
+    else:
+        ref = select(args.reference_policy)
+        cfg = set_load(
+            trace,
+            cfg,
+            args.target_util,
+            reference=next(iter(ref.items())),
+            pilot_rounds=args.pilot_rounds,
+            log=lambda m: print(m, flush=True),
+        )
+    knob = f"concurrency {cfg.concurrency}" if trace.closed_loop else f"time scale {cfg.time_scale:.3f}"
+    print(f"load: {knob}", flush=True)
+    results = []
+    for name, factory in policies.items():
+        results.append(run_policy(trace, name, factory, cfg, bound))
+        r = results[-1]
+        print(
+            f"  {name}: hit/bound {r.hit_vs_bound:.3f} max/mean {r.load_max_over_mean:.3f} "
+            f"util {r.prefill_util:.2f} ttft p99 {r.ttft_p99_s:.2f}s ({r.wall_s:.1f}s)",
+            flush=True,
+        )
+    print(format_table(results))
+    if args.json is not None:
+        report = ReplayReport(
+            trace=trace.name,
+            slice=slice_desc,
+            block_tokens=trace.block_tokens,
+            unique_blocks=unique,
+            capacity_blocks=capacity,
+            bound=bound,
+            config=cfg,
+            results=results,
+        )
+        args.json.write_bytes(msgspec.json.format(msgspec.json.encode(report)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

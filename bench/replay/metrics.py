@@ -1,0 +1,111 @@
+"""What a replay reports per policy, and the side-by-side table."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import msgspec
+
+from bench.replay.sim import RequestRecord, Simulator
+
+
+class PolicyResult(msgspec.Struct, kw_only=True):
+    policy: str
+    requests: int
+    # Block hit ratio where the prompt was computed (prefill replica, or decode replica for a local prefill).
+    hit_ratio: float
+    bound: float
+    hit_vs_bound: float
+    # Prompt tokens computed per prefill replica, and their max/mean (1.0 = perfectly even).
+    prefill_tokens: list[int]
+    load_max_over_mean: float
+    # Prompt tokens computed by decode replicas (local prefills), all replicas together.
+    decode_local_prefill_tokens: int
+    prefill_tokens_total: int
+    local_prefill_share: float
+    # Busy fraction of the prefill pool over the measurement window (mean over replicas, and the busiest).
+    prefill_util: float
+    prefill_util_max: float
+    window_s: float
+    ttft_p50_s: float
+    ttft_p99_s: float
+    queue_p50_s: float
+    queue_p99_s: float
+    # Router belief vs simulated engine: mean |predicted - actual| cached tokens per request.
+    prediction_error_tokens: float
+    decision_us_mean: float
+    wall_s: float
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (q in 0..100)."""
+    if not values:
+        return math.nan
+    s = sorted(values)
+    k = max(0, min(len(s) - 1, math.ceil(q / 100.0 * len(s)) - 1))
+    return s[k]
+
+
+def summarize(
+    name: str, sim: Simulator, records: list[RequestRecord], bound: float, wall_s: float
+) -> PolicyResult:
+    blocks = sum(r.num_blocks for r in records)
+    hits = sum(r.cached_blocks for r in records)
+    hit_ratio = hits / blocks if blocks else 0.0
+    p_tokens = sim.computed_tokens(sim.prefill)
+    d_tokens = sum(sim.computed_tokens(sim.decode))
+    total = sum(p_tokens) + d_tokens
+    mean_p = sum(p_tokens) / len(p_tokens) if p_tokens else 0.0
+    window = sim.window_end or 0.0
+    busy = sim.busy_time([s.replica_id for s in sim.prefill], window) if window > 0 else []
+    utils = [b / window for b in busy] if window > 0 else [0.0]
+    measured = [r for r in records if r.in_window]
+    ttft = [r.ttft for r in measured]
+    wait = [r.queue_wait for r in measured]
+    pred_err = [abs(r.predicted_cached_tokens - r.cached_tokens) for r in records]
+    return PolicyResult(
+        policy=name,
+        requests=len(records),
+        hit_ratio=hit_ratio,
+        bound=bound,
+        hit_vs_bound=hit_ratio / bound if bound else math.nan,
+        prefill_tokens=p_tokens,
+        load_max_over_mean=max(p_tokens) / mean_p if mean_p else math.nan,
+        decode_local_prefill_tokens=d_tokens,
+        prefill_tokens_total=total,
+        local_prefill_share=sum(r.local_prefill for r in records) / len(records) if records else 0.0,
+        prefill_util=sum(utils) / len(utils),
+        prefill_util_max=max(utils),
+        window_s=window,
+        ttft_p50_s=percentile(ttft, 50),
+        ttft_p99_s=percentile(ttft, 99),
+        queue_p50_s=percentile(wait, 50),
+        queue_p99_s=percentile(wait, 99),
+        prediction_error_tokens=sum(pred_err) / len(pred_err) if pred_err else 0.0,
+        decision_us_mean=1e6 * sim.decide_s / sim.decisions if sim.decisions else 0.0,
+        wall_s=wall_s,
+    )
+
+
+def format_table(results: Sequence[PolicyResult]) -> str:
+    cols = [
+        ("policy", "{:<22}", lambda r: r.policy),
+        ("hit", "{:>6.3f}", lambda r: r.hit_ratio),
+        ("hit/bnd", "{:>7.3f}", lambda r: r.hit_vs_bound),
+        ("max/mean", "{:>8.3f}", lambda r: r.load_max_over_mean),
+        ("Mtok", "{:>8.1f}", lambda r: r.prefill_tokens_total / 1e6),
+        ("local", "{:>6.2f}", lambda r: r.local_prefill_share),
+        ("util", "{:>5.2f}", lambda r: r.prefill_util),
+        ("ttft50", "{:>7.2f}", lambda r: r.ttft_p50_s),
+        ("ttft99", "{:>7.2f}", lambda r: r.ttft_p99_s),
+        ("q50", "{:>6.2f}", lambda r: r.queue_p50_s),
+        ("q99", "{:>7.2f}", lambda r: r.queue_p99_s),
+        ("dec_us", "{:>6.0f}", lambda r: r.decision_us_mean),
+        ("wall_s", "{:>6.1f}", lambda r: r.wall_s),
+    ]
+    header = " ".join(f"{c[0]:>{len(c[1].format(c[2](results[0])))}}" if results else c[0] for c in cols)
+    lines = [header]
+    for r in results:
+        lines.append(" ".join(fmt.format(get(r)) for _, fmt, get in cols))
+    return "\n".join(lines)

@@ -1,0 +1,396 @@
+"""Discrete-event simulation of a P/D cluster in virtual time, driven by a trace and routed by a real Policy.
+
+The cluster: `prefill_replicas` prefill replicas and `decode_replicas` decode replicas, each its own node
+(an 8-GPU replica fills a node, so every P -> D transfer crosses the network). Every replica holds a
+capacity-bounded LRU prefix cache (`cache.LruBlockCache`) whose BlockStored/BlockRemoved events feed the
+router's index, so the policy under test sees what it would see live (minus event delay). Per request:
+
+1. Arrival: the policy gets a `ReplicaView` per replica from the live router's load accounting
+   (`router.load.LoadTracker`, told of dispatches, prefill completions and finishes as the router would be,
+   and of decode KV usage as an engine's statistics would report it), and decides.
+2. Prefill, on the chosen prefill replica (FIFO queue, one prompt at a time; prefill is compute-bound, so
+   batching prompts would not raise throughput) or, for a local prefill, on the decode replica itself. The
+   cache hit is taken when the prefill starts (as vLLM's scheduler does), from that replica's LRU; the
+   service time is `ServiceTimeModel.prefill_s(uncached tokens, cached tokens)`.
+3. KV transfer P -> D of the prompt tokens the decode replica does not already hold (vLLM's NixlConnector
+   pulls only the blocks missing from the decode engine's prefix cache); D's cache then holds the prompt.
+4. Decode: every active sequence on a replica advances one token per `tpot_s(batch, context)`; the rate is
+   recomputed whenever the batch changes; a local prefill on the replica pauses its decoding for its
+   duration (no chunked-prefill overlap: the cost local prefill puts on co-located decodes). TTFT = first
+   decode step.
+5. Finish: `policy.on_finish`; in a closed-loop replay the session's next turn is sent after its recorded
+   gap.
+
+Load: open-loop traces arrive at `arrival_s / time_scale`; closed-loop traces run `concurrency` session
+slots, each replaying sessions one after another (seeded order), with every gap multiplied by `gap_scale`
+and capped at `max_gap_s` (human pauses of hours would otherwise leave slots idle). The measurement window
+ends when the last open-loop request arrives, or when a closed-loop slot first finds no session left to
+start; utilisation and latency percentiles are measured over requests that arrived inside the window (cache
+metrics over all)."""
+
+from __future__ import annotations
+
+import heapq
+import random
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import msgspec
+
+from bench.replay.cache import CacheEvents, LruBlockCache
+from bench.replay.traces import Session, Trace, TraceRequest
+from router.load import LoadTracker
+from router.policy.service_time import ServiceTimeModel
+from router.policy.types import Decision, Policy, PrefixLookup, ReplicaView, RouteRequest
+
+
+class SimConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    prefill_replicas: int = 8
+    decode_replicas: int = 8
+    # Per-replica prefix cache capacity in blocks; None = unbounded.
+    capacity_blocks: int | None = None
+    # Open loop: arrival times are divided by this (2.0 = twice the recorded rate).
+    time_scale: float = 1.0
+    # Closed loop: sessions in flight at once.
+    concurrency: int = 32
+    gap_scale: float = 1.0
+    max_gap_s: float = 300.0
+    # Closed loop: the first `concurrency` sessions start uniformly over this many seconds.
+    stagger_s: float = 60.0
+    seed: int = 0
+    timing: ServiceTimeModel = ServiceTimeModel()
+
+    def __post_init__(self) -> None:
+        if self.prefill_replicas < 0 or self.decode_replicas < 1:
+            raise ValueError("need prefill_replicas >= 0 and decode_replicas >= 1")
+        if self.time_scale <= 0 or self.gap_scale < 0 or self.concurrency < 1:
+            raise ValueError("time_scale must be > 0, gap_scale >= 0, concurrency >= 1")
+
+
+class RequestRecord(msgspec.Struct, kw_only=True):
+    """What happened to one request (times in virtual seconds)."""
+
+    request_id: str
+    session_id: str
+    arrival: float
+    num_blocks: int
+    prefill_replica: str | None = None
+    decode_replica: str = ""
+    local_prefill: bool = False
+    predicted_cached_tokens: int = 0
+    prefill_start: float = 0.0
+    prefill_end: float = 0.0
+    cached_blocks: int = 0
+    cached_tokens: int = 0
+    computed_tokens: int = 0
+    transferred_tokens: int = 0
+    first_token: float = 0.0
+    finish: float = 0.0
+    in_window: bool = True
+
+    @property
+    def ttft(self) -> float:
+        return self.first_token - self.arrival
+
+    @property
+    def queue_wait(self) -> float:
+        return self.prefill_start - self.arrival
+
+
+class _Job:
+    """A request in flight."""
+
+    __slots__ = ("decision", "rec", "route", "session_pos", "slot", "trace_req")
+
+    def __init__(self, trace_req: TraceRequest, route: RouteRequest, rec: RequestRecord) -> None:
+        self.trace_req = trace_req
+        self.route = route
+        self.rec = rec
+        self.decision: Decision | None = None
+        self.session_pos: tuple[Session, int] | None = None
+        self.slot = -1
+
+
+class _PrefillServer:
+    """A FIFO of prompts computed one at a time against this replica's cache."""
+
+    def __init__(self, replica_id: str, cache: LruBlockCache) -> None:
+        self.replica_id = replica_id
+        self.cache = cache
+        self.queue: deque[_Job] = deque()
+        self.running: _Job | None = None
+        self.computed_tokens = 0
+        self.busy: list[tuple[float, float]] = []
+
+
+class _DecodeServer(_PrefillServer):
+    """A decode replica: a continuous batch whose per-token rate follows the batch, plus local prefills."""
+
+    def __init__(self, replica_id: str, cache: LruBlockCache) -> None:
+        super().__init__(replica_id, cache)
+        self.remaining: dict[_Job, float] = {}
+        self.context_tokens = 0
+        self.last_advance = 0.0
+        self.version = 0
+
+
+# Event kinds, ordered so that at equal times completions run before arrivals (frees capacity first).
+_PREFILL_DONE, _TRANSFER_DONE, _DECODE_CHECK, _ARRIVAL, _SLOT_START = range(5)
+
+
+class Simulator:
+    def __init__(
+        self,
+        trace: Trace,
+        policy: Policy,
+        config: SimConfig,
+        *,
+        index_factory: Callable[[], tuple[CacheEvents, PrefixLookup]],
+    ) -> None:
+        """`index_factory` builds the router-side index: the sink the caches' events go to and the lookup the
+        policy queries (normally one object, router.kv_index.KvIndex behind an adapter)."""
+        self.trace = trace
+        self.policy = policy
+        self.cfg = config
+        self.timing = config.timing
+        self.block_tokens = trace.block_tokens
+        events, self.lookup = index_factory()
+        self.prefill = [
+            _PrefillServer(f"p{i}", LruBlockCache(f"p{i}", config.capacity_blocks, events))
+            for i in range(config.prefill_replicas)
+        ]
+        self.decode = [
+            _DecodeServer(f"d{i}", LruBlockCache(f"d{i}", config.capacity_blocks, events))
+            for i in range(config.decode_replicas)
+        ]
+        self._servers: dict[str, _PrefillServer] = {s.replica_id: s for s in [*self.prefill, *self.decode]}
+        # Every replica is its own node (see the module docstring).
+        self.load = LoadTracker(config.timing)
+        for s in self.prefill:
+            self.load.add_replica(s.replica_id, "prefill", node_id=s.replica_id)
+        for s in self.decode:
+            self.load.add_replica(s.replica_id, "decode", node_id=s.replica_id)
+        self._heap: list[tuple[float, int, int, Any]] = []
+        self._seq = 0
+        self.now = 0.0
+        self.records: list[RequestRecord] = []
+        self.window_end: float | None = None
+        self._pending_sessions: deque[Session] = deque()
+        self.decide_s = 0.0
+        self.decisions = 0
+
+    # -- event plumbing ---------------------------------------------------------------------------------
+    def _at(self, t: float, kind: int, payload: Any) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (t, kind, self._seq, payload))
+
+    def run(self) -> list[RequestRecord]:
+        self._seed_arrivals()
+        while self._heap:
+            t, kind, _, payload = heapq.heappop(self._heap)
+            self.now = t
+            if kind == _ARRIVAL:
+                self._arrive(payload)
+            elif kind == _PREFILL_DONE:
+                self._prefill_done(payload)
+            elif kind == _TRANSFER_DONE:
+                self._join_decode(payload[0], payload[1])
+            elif kind == _DECODE_CHECK:
+                server, version = payload
+                if version == server.version:
+                    self._decode_check(server)
+            else:
+                self._start_next_session(payload)
+        if self.window_end is None:
+            self.window_end = max((r.arrival for r in self.records), default=0.0)
+        for r in self.records:
+            r.in_window = r.arrival <= self.window_end
+        return self.records
+
+    def _seed_arrivals(self) -> None:
+        if not self.trace.closed_loop:
+            for s in self.trace.sessions:
+                for r in s.requests:
+                    self._at(r.arrival_s / self.cfg.time_scale, _ARRIVAL, self._new_job(r))
+            return
+        order = list(self.trace.sessions)
+        rng = random.Random(self.cfg.seed)
+        rng.shuffle(order)
+        self._pending_sessions = deque(order)
+        for slot in range(min(self.cfg.concurrency, len(order))):
+            self._at(rng.uniform(0.0, self.cfg.stagger_s), _SLOT_START, slot)
+
+    def _start_next_session(self, slot: int) -> None:
+        if not self._pending_sessions:
+            if self.window_end is None:
+                self.window_end = self.now
+            return
+        session = self._pending_sessions.popleft()
+        self._send_turn(session, 0, slot, self.now)
+
+    def _send_turn(self, session: Session, pos: int, slot: int, at: float) -> None:
+        job = self._new_job(session.requests[pos])
+        job.session_pos = (session, pos)
+        job.slot = slot
+        self._at(at, _ARRIVAL, job)
+
+    def _new_job(self, r: TraceRequest) -> _Job:
+        route = RouteRequest(
+            request_id=r.request_id,
+            session_id=r.session_id,
+            num_prompt_tokens=r.num_prompt_tokens,
+            block_hashes=list(r.block_hashes),
+            block_size=self.block_tokens,
+            max_tokens=r.num_output_tokens,
+        )
+        rec = RequestRecord(
+            request_id=r.request_id, session_id=r.session_id, arrival=0.0, num_blocks=len(r.block_hashes)
+        )
+        return _Job(r, route, rec)
+
+    # -- routing -----------------------------------------------------------------------------------------
+    def views(self) -> tuple[list[ReplicaView], list[ReplicaView]]:
+        """What the router sees: its own dispatch accounting (`router.load.LoadTracker`, the live router's
+        code) plus the decode replicas' KV usage as their engines would report it."""
+        return self.load.views("prefill"), self.load.views("decode")
+
+    def _report_kv_usage(self, server: _DecodeServer) -> None:
+        cap = self.cfg.capacity_blocks
+        usage = 0.0 if cap is None else server.context_tokens / (cap * self.block_tokens)
+        self.load.update_kv_usage(server.replica_id, usage)
+
+    def _arrive(self, job: _Job) -> None:
+        rec = job.rec
+        rec.arrival = self.now
+        self.records.append(rec)
+        p_views, d_views = self.views()
+        t0 = time.perf_counter()
+        decision = self.policy.choose(job.route, p_views, d_views, self.lookup)
+        self.decide_s += time.perf_counter() - t0
+        self.decisions += 1
+        job.decision = decision
+        rec.decode_replica = decision.decode
+        rec.local_prefill = decision.local_prefill or decision.prefill is None or not self.prefill
+        rec.predicted_cached_tokens = decision.predicted_cached_tokens
+        if rec.local_prefill:
+            server: _PrefillServer = self._servers[decision.decode]
+        else:
+            assert decision.prefill is not None
+            server = self._servers[decision.prefill]
+            rec.prefill_replica = decision.prefill
+        self.load.on_dispatch(job.route, decision)
+        server.queue.append(job)
+        if server.running is None:
+            self._start_prefill(server)
+
+    # -- prefill -----------------------------------------------------------------------------------------
+    def _start_prefill(self, server: _PrefillServer) -> None:
+        if server.running is not None or not server.queue:
+            return
+        job = server.queue.popleft()
+        if isinstance(server, _DecodeServer):
+            # Decoding pauses until the prefill ends: credit progress so far, cancel the pending check.
+            self._advance_decode(server)
+            server.version += 1
+        server.running = job
+        rec = job.rec
+        hits = server.cache.access(job.trace_req.block_hashes)
+        # The engine always computes at least the last prompt token (it needs its logits).
+        cached_tokens = min(hits * self.block_tokens, job.route.num_prompt_tokens - 1)
+        new_tokens = job.route.num_prompt_tokens - cached_tokens
+        duration = self.timing.prefill_s(new_tokens, cached_tokens)
+        rec.cached_blocks = hits
+        rec.cached_tokens = cached_tokens
+        rec.computed_tokens = new_tokens
+        rec.prefill_start = self.now
+        rec.prefill_end = self.now + duration
+        server.computed_tokens += new_tokens
+        server.busy.append((self.now, self.now + duration))
+        self._at(self.now + duration, _PREFILL_DONE, server)
+
+    def _prefill_done(self, server: _PrefillServer) -> None:
+        job = server.running
+        assert job is not None and job.decision is not None
+        server.running = None
+        self.load.on_prefill_done(job.route.request_id)
+        if isinstance(server, _DecodeServer):
+            server.last_advance = self.now  # decoding resumes; no progress was made while prefilling
+            self._join_decode(job, server)
+        else:
+            decode = self._servers[job.decision.decode]
+            assert isinstance(decode, _DecodeServer)
+            held = decode.cache.prefix_hits(job.trace_req.block_hashes) * self.block_tokens
+            tokens = max(0, job.route.num_prompt_tokens - held)
+            job.rec.transferred_tokens = tokens
+            self._at(self.now + self.timing.transfer_s(tokens), _TRANSFER_DONE, (job, decode))
+        self._start_prefill(server)
+        if isinstance(server, _DecodeServer):
+            self._reschedule_decode(server)
+
+    # -- decode ------------------------------------------------------------------------------------------
+    def _tpot(self, server: _DecodeServer) -> float:
+        return self.timing.tpot_s(len(server.remaining), server.context_tokens)
+
+    def _advance_decode(self, server: _DecodeServer) -> None:
+        """Credit every active sequence with the tokens generated since the last batch change."""
+        elapsed = self.now - server.last_advance
+        server.last_advance = self.now
+        if elapsed <= 0 or not server.remaining or server.running is not None:
+            return
+        done = elapsed / self._tpot(server)
+        for job in server.remaining:
+            server.remaining[job] -= done
+
+    def _join_decode(self, job: _Job, server: _DecodeServer) -> None:
+        self._advance_decode(server)
+        if job.rec.local_prefill is False:
+            # The pulled KV lands in the decode engine's prefix cache.
+            server.cache.access(job.trace_req.block_hashes)
+        server.remaining[job] = float(job.route.max_tokens)
+        server.context_tokens += job.route.num_prompt_tokens
+        self._report_kv_usage(server)
+        job.rec.first_token = self.now + self._tpot(server)
+        self._reschedule_decode(server)
+
+    def _reschedule_decode(self, server: _DecodeServer) -> None:
+        server.version += 1
+        if not server.remaining or server.running is not None:
+            return  # idle, or paused by a local prefill (its completion reschedules)
+        least = min(server.remaining.values())
+        self._at(self.now + max(0.0, least) * self._tpot(server), _DECODE_CHECK, (server, server.version))
+
+    def _decode_check(self, server: _DecodeServer) -> None:
+        self._advance_decode(server)
+        finished = [j for j, left in server.remaining.items() if left <= 1e-9]
+        for job in finished:
+            del server.remaining[job]
+            server.context_tokens -= job.route.num_prompt_tokens
+            self._finish(job)
+        self._report_kv_usage(server)
+        self._reschedule_decode(server)
+
+    def _finish(self, job: _Job) -> None:
+        assert job.decision is not None
+        job.rec.finish = self.now
+        self.load.on_finish(job.route.request_id)
+        self.policy.on_finish(job.route, job.decision)
+        if job.session_pos is None:
+            return
+        session, pos = job.session_pos
+        if pos + 1 < len(session.requests):
+            gap = min(session.requests[pos + 1].gap_s, self.cfg.max_gap_s) * self.cfg.gap_scale
+            self._send_turn(session, pos + 1, job.slot, self.now + gap)
+        else:
+            self._at(self.now, _SLOT_START, job.slot)
+
+    # -- results -----------------------------------------------------------------------------------------
+    def busy_time(self, replica_ids: Iterable[str], until: float) -> list[float]:
+        out = []
+        for rid in replica_ids:
+            out.append(sum(max(0.0, min(e, until) - s) for s, e in self._servers[rid].busy if s < until))
+        return out
+
+    def computed_tokens(self, servers: Sequence[_PrefillServer]) -> list[int]:
+        return [s.computed_tokens for s in servers]

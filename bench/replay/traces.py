@@ -1,0 +1,280 @@
+"""Load the real traces in shared/traces into one model the simulator replays.
+
+Two sources, two shapes:
+- Mooncake `conversation_trace.jsonl`: one request per line, `timestamp` (ms since the trace start),
+  `input_length`, `output_length`, `hash_ids` (one id per 512-token block, global across the trace). It
+  replays open-loop: each request arrives at its recorded time (divided by a time-scale factor).
+- Claude Code `sessions/*.json.gz`: one agent session per file, `block_size` 64, `requests[]` with `t`,
+  `in`, `out`, `hash_ids`, `api_time`, `think_time`. Ids are local to a session, so identity is namespaced
+  by session. It replays closed-loop: a turn is sent when the previous reply finished plus the recorded gap
+  (`think_time`: the tool-call / think time between the previous response's end and this request). Sub-agent
+  entries (`type == "subagent"`) are skipped: they run a different model (Haiku) that a cluster serving the
+  parent's model would not serve, and they are 4% of the requests.
+
+Block identity. Trace ids name blocks of `trace_block_tokens` tokens. The simulator's block (the router's
+and the engine's block size) may be `k` trace blocks (`k = block_tokens / trace_block_tokens`, an integer),
+which keeps the replay fast on long agent contexts (Claude Code prompts average 131k tokens = 2,000 64-token
+blocks). Following the traces' README, each simulated block gets deterministic synthetic token ids built
+from its `k` trace ids and the session's namespace (0 for Mooncake) (see `BlockHasher`); the router hashes
+them with `router.block_hash` as it hashes a live prompt, so equal trace-id prefixes give equal router
+hashes, and the KvIndex re-hashes the token ids carried by the simulated BlockStored events to the same
+values. Only full blocks count (as in vLLM, a partial last block is never
+cached): a request has `min(len(hash_ids), input_length // trace_block_tokens) // k` blocks."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import random
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+
+from router.block_hash import ROOT_PARENT, hash_blocks
+
+TraceName = Literal["claude-code", "mooncake"]
+
+DEFAULT_TRACES_DIR = Path(__file__).resolve().parents[3] / "shared" / "traces"
+MOONCAKE_BLOCK_TOKENS = 512
+CLAUDE_CODE_BLOCK_TOKENS = 64
+
+
+class TraceRequest(msgspec.Struct, frozen=True, kw_only=True):
+    request_id: str
+    session_id: str
+    # Open-loop traces: arrival time in the trace's clock (s). Closed-loop traces: time since session start as
+    # recorded (informative only; the replay uses `gap_s`).
+    arrival_s: float
+    # Closed-loop: seconds between the previous turn's reply finishing and this request being sent.
+    gap_s: float
+    num_prompt_tokens: int
+    num_output_tokens: int
+    # Chained hashes of the prompt's full simulated blocks, in prompt order.
+    block_hashes: tuple[int, ...]
+
+
+class Session(msgspec.Struct, frozen=True, kw_only=True):
+    session_id: str
+    requests: tuple[TraceRequest, ...]
+
+
+@dataclass(frozen=True)
+class Trace:
+    name: TraceName
+    # True: sessions replay turn by turn (closed loop). False: requests replay at their arrival times.
+    closed_loop: bool
+    # Tokens per simulated block (the router's and the engines' block size).
+    block_tokens: int
+    sessions: tuple[Session, ...]
+    # Synthetic token ids of every block (what a simulated BlockStored event carries).
+    hasher: BlockHasher
+
+    def requests(self) -> Iterator[TraceRequest]:
+        for s in self.sessions:
+            yield from s.requests
+
+    def num_requests(self) -> int:
+        return sum(len(s.requests) for s in self.sessions)
+
+    def unique_blocks(self) -> int:
+        return len({h for r in self.requests() for h in r.block_hashes})
+
+
+class BlockHasher:
+    """Router hashes of trace blocks, and the synthetic token ids behind each (for the simulated KV events).
+
+    A block's synthetic tokens are its compact content, `(namespace, *trace_ids)`: `group + 1` token ids
+    stand in for the block's `block_tokens` real ones. Identity is all the router's index needs from them,
+    and hashing ~10 ids instead of 512 per stored block is what keeps a full replay within minutes. So the
+    index is built with `token_block_size` (= group + 1) as its block size, while requests and policies keep
+    the real `block_tokens` for token accounting. Memoised on (parent hash, content) so the prefix an agent
+    session repeats every turn is hashed once.
+    """
+
+    def __init__(self, block_tokens: int, group: int) -> None:
+        self.block_tokens = block_tokens
+        self.group = group
+        self.token_block_size = group + 1
+        self._memo: dict[tuple[int, ...], int] = {}
+        self.content: dict[int, tuple[int, ...]] = {}  # router hash -> synthetic tokens
+
+    def hashes(self, trace_ids: list[int], num_full_trace_blocks: int, namespace: int) -> tuple[int, ...]:
+        g = self.group
+        usable = min(len(trace_ids), num_full_trace_blocks) // g * g
+        out: list[int] = []
+        parent = ROOT_PARENT
+        memo = self._memo
+        for i in range(0, usable, g):
+            content = (namespace, *trace_ids[i : i + g])
+            key = (parent, *content)
+            h = memo.get(key)
+            if h is None:
+                h = hash_blocks(content, self.token_block_size, parent)[0]
+                memo[key] = h
+                self.content[h] = content
+            out.append(h)
+            parent = h
+        return tuple(out)
+
+    def tokens(self, router_hashes: list[int]) -> list[int]:
+        """Synthetic token ids of consecutive blocks, as a BlockStored event carries them."""
+        content = self.content
+        out: list[int] = []
+        for h in router_hashes:
+            out += content[h]
+        return out
+
+
+def _group(block_tokens: int, trace_block_tokens: int) -> int:
+    if block_tokens <= 0 or block_tokens % trace_block_tokens:
+        raise ValueError(
+            f"block_tokens={block_tokens} must be a positive multiple of the trace's block size "
+            f"({trace_block_tokens})"
+        )
+    return block_tokens // trace_block_tokens
+
+
+def load_mooncake(
+    path: Path,
+    *,
+    block_tokens: int = MOONCAKE_BLOCK_TOKENS,
+    max_requests: int | None = None,
+) -> Trace:
+    """The first `max_requests` requests of the Mooncake conversation trace (arrival order), one session each.
+
+    A sample of a time-ordered open-loop trace would thin out its prefix sharing, so slicing takes a prefix.
+    """
+    hasher = BlockHasher(block_tokens, _group(block_tokens, MOONCAKE_BLOCK_TOKENS))
+    sessions: list[Session] = []
+    with path.open() as f:
+        for i, line in enumerate(f):
+            if max_requests is not None and i >= max_requests:
+                break
+            row = json.loads(line)
+            rid = f"mc-{i}"
+            req = TraceRequest(
+                request_id=rid,
+                session_id=rid,
+                arrival_s=row["timestamp"] / 1000.0,
+                gap_s=0.0,
+                num_prompt_tokens=int(row["input_length"]),
+                num_output_tokens=max(1, int(row["output_length"])),
+                block_hashes=hasher.hashes(
+                    row["hash_ids"], int(row["input_length"]) // MOONCAKE_BLOCK_TOKENS, 0
+                ),
+            )
+            sessions.append(Session(session_id=rid, requests=(req,)))
+    return Trace(
+        name="mooncake", closed_loop=False, block_tokens=block_tokens, sessions=tuple(sessions), hasher=hasher
+    )
+
+
+def _session_from_claude_code(doc: dict, session_id: str, hasher: BlockHasher) -> Session:
+    if doc.get("block_size", CLAUDE_CODE_BLOCK_TOKENS) != CLAUDE_CODE_BLOCK_TOKENS:
+        raise ValueError(f"{session_id}: block_size {doc.get('block_size')} != {CLAUDE_CODE_BLOCK_TOKENS}")
+    namespace = zlib.crc32(session_id.encode())
+    out: list[TraceRequest] = []
+    prev: dict | None = None
+    for row in doc["requests"]:
+        if row.get("type") == "subagent":
+            continue
+        if "think_time" in row:
+            gap = float(row["think_time"])
+        elif prev is not None and "api_time" in prev:
+            # A few rows lack think_time: recover it from the recorded clock.
+            gap = max(0.0, float(row["t"]) - float(prev["t"]) - float(prev["api_time"]))
+        else:
+            gap = 0.0
+        n = len(out)
+        out.append(
+            TraceRequest(
+                request_id=f"{session_id}/{n}",
+                session_id=session_id,
+                arrival_s=float(row["t"]),
+                gap_s=0.0 if n == 0 else gap,
+                num_prompt_tokens=int(row["in"]),
+                num_output_tokens=max(1, int(row["out"])),
+                block_hashes=hasher.hashes(
+                    row["hash_ids"], int(row["in"]) // CLAUDE_CODE_BLOCK_TOKENS, namespace
+                ),
+            )
+        )
+        prev = row
+    return Session(session_id=session_id, requests=tuple(out))
+
+
+def load_claude_code(
+    sessions_dir: Path,
+    *,
+    block_tokens: int = 512,
+    max_sessions: int | None = None,
+    seed: int | None = None,
+) -> Trace:
+    """Claude Code sessions: all, the first `max_sessions` by file name, or (with `seed`) a seeded sample."""
+    hasher = BlockHasher(block_tokens, _group(block_tokens, CLAUDE_CODE_BLOCK_TOKENS))
+    files = sorted(sessions_dir.glob("*.json.gz"))
+    if not files:
+        raise FileNotFoundError(f"no *.json.gz sessions in {sessions_dir}")
+    if max_sessions is not None and max_sessions < len(files):
+        files = (
+            sorted(random.Random(seed).sample(files, max_sessions))
+            if seed is not None
+            else files[:max_sessions]
+        )
+    sessions = []
+    for f in files:
+        with gzip.open(f, "rt") as fh:
+            doc = json.load(fh)
+        s = _session_from_claude_code(doc, f.name.removesuffix(".json.gz"), hasher)
+        if s.requests:
+            sessions.append(s)
+    return Trace(
+        name="claude-code",
+        closed_loop=True,
+        block_tokens=block_tokens,
+        sessions=tuple(sessions),
+        hasher=hasher,
+    )
+
+
+def load_trace(
+    name: TraceName,
+    traces_dir: Path = DEFAULT_TRACES_DIR,
+    *,
+    block_tokens: int = 512,
+    limit: int | None = None,
+    seed: int | None = None,
+) -> Trace:
+    """`limit`: sessions (Claude Code) or requests (Mooncake)."""
+    if name == "mooncake":
+        return load_mooncake(
+            traces_dir / "mooncake" / "conversation_trace.jsonl",
+            block_tokens=block_tokens,
+            max_requests=limit,
+        )
+    return load_claude_code(
+        traces_dir / "claude-code" / "sessions", block_tokens=block_tokens, max_sessions=limit, seed=seed
+    )
+
+
+def infinite_cache_hit_ratio(trace: Trace) -> float:
+    """The bound: block hit ratio of one unbounded cache that sees the slice in replay order.
+
+    Claude Code identity is per session (namespaced) and each session's turns are sequential, so the order of
+    sessions does not matter; Mooncake replays in arrival order.
+    """
+    seen: set[int] = set()
+    hits = total = 0
+    reqs = list(trace.requests())
+    if not trace.closed_loop:
+        reqs.sort(key=lambda r: r.arrival_s)
+    for r in reqs:
+        for h in r.block_hashes:
+            hits += h in seen
+            seen.add(h)
+        total += len(r.block_hashes)
+    return hits / total if total else 0.0

@@ -1,0 +1,152 @@
+"""Latency of one routing decision: hash the prompt's blocks, look up every replica's cached prefix, choose P
+and D.
+
+Setup: a KvIndex holding `--indexed-blocks` blocks (default 1M) spread over the replicas, built from
+BlockStored-style calls (so the index is hashed exactly as in production); half the replicas are prefill, half
+decode. Cases: a session's first turn (a new prompt sharing half of an indexed prompt: full hash of the
+prompt) and its next turn (the previous prompt plus `--turn-tokens` new tokens: only the new blocks are
+hashed). Prints p50/p99 in microseconds per case, wall clock and this thread's CPU time (on a shared machine
+the wall-clock tail is dominated by the OS preempting the process; CPU time is the decision's own cost), and
+the index's memory per block.
+
+    .venv/bin/python -m bench.routing_decision [--replicas 8 32 128] [--prompt-tokens 8192 131072]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import resource
+import time
+
+import numpy as np
+
+from router.block_hash import SessionHasher
+from router.kv_index import KvIndex
+from router.load import LoadTracker
+from router.policy.selector import PdservePolicy
+from router.policy.types import RouteRequest
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def build_index(
+    n_replicas: int, indexed_blocks: int, block_size: int, prompt_tokens: int, rng: np.random.Generator
+) -> tuple[KvIndex, list[list[int]], float]:
+    """An index with `indexed_blocks` (replica, block) entries: whole prompts stored on one replica each."""
+    index = KvIndex(block_size)
+    docs: list[list[int]] = []
+    blocks_per_doc = prompt_tokens // block_size
+    gc.collect()
+    before = _rss_bytes()
+    stored = 0
+    engine_hash = 1
+    i = 0
+    while stored < indexed_blocks:
+        n = min(blocks_per_doc, indexed_blocks - stored)
+        toks = rng.integers(0, 150_000, n * block_size).tolist()
+        if len(docs) < 64:
+            docs.append(toks)
+        index.apply_stored(f"r{i % n_replicas}", list(range(engine_hash, engine_hash + n)), None, toks)
+        engine_hash += n
+        stored += n
+        i += 1
+        del toks
+    gc.collect()
+    return index, docs, (_rss_bytes() - before) / stored
+
+
+def run_case(
+    n_replicas: int,
+    prompt_tokens: int,
+    index: KvIndex,
+    docs: list[list[int]],
+    block_size: int,
+    iters: int,
+    turn_tokens: int,
+    rng: np.random.Generator,
+) -> dict[str, list[float]]:
+    tracker = LoadTracker()
+    n_pre = n_replicas // 2
+    for r in range(n_replicas):
+        tracker.add_replica(f"r{r}", "prefill" if r < n_pre else "decode", node_id=f"n{r // 8}")
+    policy = PdservePolicy()
+    hasher = SessionHasher(block_size)
+    out: dict[str, list[float]] = {"first": [], "next": [], "first_cpu": [], "next_cpu": []}
+    for it in range(iters):
+        doc = docs[it % len(docs)]
+        shared = doc[: min(len(doc), prompt_tokens) // 2]
+        prompt = shared + rng.integers(0, 150_000, prompt_tokens - len(shared)).tolist()
+        turn2 = prompt + rng.integers(0, 150_000, turn_tokens).tolist()
+        sid = f"s{it}"
+        for toks, case in ((prompt, "first"), (turn2, "next")):
+            c0 = time.thread_time()
+            t0 = time.perf_counter()
+            hashes = hasher.hash(sid, toks)
+            req = RouteRequest(
+                request_id=f"{sid}-{case}",
+                session_id=sid,
+                num_prompt_tokens=len(toks),
+                block_hashes=hashes,
+                block_size=block_size,
+                max_tokens=256,
+            )
+            d = policy.choose(req, tracker.views("prefill"), tracker.views("decode"), index)
+            out[case].append(time.perf_counter() - t0)
+            out[case + "_cpu"].append(time.thread_time() - c0)
+            tracker.on_dispatch(req, d)
+            tracker.on_finish(req.request_id)
+    return out
+
+
+def _p50_p99(seconds: list[float]) -> str:
+    p50, p99 = np.percentile(np.array(seconds) * 1e6, [50, 99])
+    return f"{p50:>10.0f} {p99:>10.0f}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--replicas", type=int, nargs="+", default=[8, 32, 128])
+    ap.add_argument("--prompt-tokens", type=int, nargs="+", default=[8192, 131072])
+    ap.add_argument("--indexed-blocks", type=int, default=1_000_000)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--turn-tokens", type=int, default=256)
+    ap.add_argument(
+        "--iters", type=int, default=300, help="per case for 8k prompts (scaled down for longer ones)"
+    )
+    args = ap.parse_args()
+    rng = np.random.default_rng(0)
+    print(
+        f"block_size={args.block_size} indexed_blocks={args.indexed_blocks:,}; replicas split half prefill, "
+        "half decode; microseconds per decision (hash + lookup + views + choose)"
+    )
+    cols = ["first p50", "first p99", "next p50", "next p99"]
+    print(
+        f"{'replicas':>8} {'prompt':>7} {'idx B/blk':>9} "
+        + " ".join(f"{c:>10}" for c in cols)
+        + " | CPU "
+        + " ".join(f"{c:>10}" for c in cols)
+    )
+    for n in args.replicas:
+        for pt in args.prompt_tokens:
+            index, docs, per_block = build_index(n, args.indexed_blocks, args.block_size, pt, rng)
+            iters = max(20, args.iters * 8192 // pt)
+            gc.collect()
+            gc.disable()  # a GC pause triggered by the benchmark's own garbage is not the router's cost
+            try:
+                res = run_case(n, pt, index, docs, args.block_size, iters, args.turn_tokens, rng)
+            finally:
+                gc.enable()
+
+            cells = " ".join(_p50_p99(res[k]) for k in ("first", "next"))
+            cpu = " ".join(_p50_p99(res[k]) for k in ("first_cpu", "next_cpu"))
+            print(f"{n:>8} {pt:>7} {per_block:>9.0f} {cells} | CPU {cpu}", flush=True)
+            del index, docs
+            gc.collect()
+
+
+if __name__ == "__main__":
+    main()

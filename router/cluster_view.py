@@ -1,0 +1,95 @@
+"""The router's picture of the engine replicas, kept current in the background.
+
+- Membership and readiness come from the replica registry (cluster/registry.py), polled every second.
+- What KV blocks each replica holds comes from its engine's KV events (one subscriber per replica,
+  feeding the KV index); a replica that leaves the registry is dropped from the index.
+- Load is counted by the router at dispatch (router/load.py); the engines' own KV-cache usage, from the
+  registry's heartbeat stats, refreshes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from engine.messages import ReplicaInfo
+from router.kv_events import KvEventSubscriber
+from router.kv_index import KvIndex
+from router.load import LoadTracker
+from router.policy.service_time import ServiceTimeModel
+
+log = logging.getLogger(__name__)
+
+
+class ClusterView:
+    def __init__(
+        self, registry: Any, *, block_size: int, timing: ServiceTimeModel | None = None, poll_s: float = 1.0
+    ) -> None:
+        """`registry`: a Serve deployment handle to the registry (anything with `.snapshot.remote()`)."""
+        self._registry = registry
+        self._poll_s = poll_s
+        self.index = KvIndex(block_size)
+        self.load = LoadTracker(timing)
+        self._known: dict[str, ReplicaInfo] = {}
+        self._subscribers: dict[str, asyncio.Task[None]] = {}
+
+    @property
+    def replicas(self) -> dict[str, ReplicaInfo]:
+        return dict(self._known)
+
+    async def run(self) -> None:
+        """Poll the registry until cancelled; a failed poll is logged and retried (the registry may be
+        restarting), never fatal: the router keeps routing on its last view meanwhile."""
+        try:
+            while True:
+                try:
+                    self.sync(await self._registry.snapshot.remote())
+                except Exception as exc:
+                    log.warning("registry poll failed (keeping the last view): %s", exc)
+                await asyncio.sleep(self._poll_s)
+        finally:
+            for task in self._subscribers.values():
+                task.cancel()
+
+    async def refresh(self) -> None:
+        """One poll now (used at start-up, so the first request already sees the replicas)."""
+        self.sync(await self._registry.snapshot.remote())
+
+    def sync(self, infos: list[ReplicaInfo]) -> None:
+        current = {i.replica_id: i for i in infos}
+        for rid in [r for r in self._known if r not in current]:
+            self._drop(rid)
+        for rid, info in current.items():
+            if rid not in self._known:
+                self._add(info)
+            self._known[rid] = info
+            self.load.set_ready(rid, info.ready)
+            self.load.set_draining(rid, info.draining)
+            if info.stats is not None:
+                self.load.update_kv_usage(rid, info.stats.kv_cache_usage)
+
+    def _add(self, info: ReplicaInfo) -> None:
+        log.info("replica %s (%s) joined on node %s", info.replica_id, info.role, info.node_id[:12])
+        self.load.add_replica(info.replica_id, info.role, info.node_id)
+        self.index.add_replica(info.replica_id)
+        if info.kv_events_endpoint is not None:
+            subscriber = KvEventSubscriber(
+                info.replica_id,
+                info.kv_events_endpoint,
+                info.kv_events_replay_endpoint,
+                self.index,
+                topic="kv",
+            )
+            self._subscribers[info.replica_id] = asyncio.create_task(
+                subscriber.run(), name=f"kv-events-{info.replica_id}"
+            )
+
+    def _drop(self, replica_id: str) -> None:
+        log.info("replica %s left", replica_id)
+        task = self._subscribers.pop(replica_id, None)
+        if task is not None:
+            task.cancel()
+        self.index.remove_replica(replica_id)
+        self.load.remove_replica(replica_id)
+        del self._known[replica_id]

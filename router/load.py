@@ -1,0 +1,158 @@
+"""Router-side load accounting per replica, producing the `ReplicaView`s a policy decides on.
+
+The router knows what it dispatched before any engine reports it, so queued prefill work and active sequences
+are counted here at dispatch time (engine statistics lag by a refresh interval, and two requests routed within
+that interval would otherwise both see an idle replica). Engine statistics refresh what only the engine knows:
+KV cache usage. Pure bookkeeping, no I/O; one instance per router event loop.
+
+Request lifecycle: `on_dispatch` (after `Policy.choose`) -> `on_prefill_done` (the prompt is computed: the
+prefill leg returned, or the decode replica emitted its first token after a local prefill) -> `on_finish` (any
+outcome; also releases the prefill work if it never completed).
+
+Queued prefill work is kept in tokens, requests and estimated seconds (`ServiceTimeModel.prefill_s` of each
+prompt's uncached part after its predicted cached part, the estimate the routing cost uses): give the tracker
+the policy's model (`PdservePolicyConfig.weights.timing`).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from router.policy.cost import estimated_prefill_s
+from router.policy.service_time import ServiceTimeModel
+from router.policy.types import Decision, ReplicaView, Role, RouteRequest
+
+
+class _ReplicaLoad:
+    __slots__ = (
+        "active_context_tokens",
+        "active_seqs",
+        "draining",
+        "kv_usage",
+        "node_id",
+        "queued_prefill_requests",
+        "queued_prefill_s",
+        "queued_prefill_tokens",
+        "ready",
+        "role",
+    )
+
+    def __init__(self, role: Role, node_id: str | None) -> None:
+        self.role = role
+        self.node_id = node_id
+        self.queued_prefill_tokens = 0
+        self.queued_prefill_requests = 0
+        self.queued_prefill_s = 0.0
+        self.active_seqs = 0
+        self.active_context_tokens = 0
+        self.kv_usage = 0.0
+        self.ready = True
+        self.draining = False
+
+
+class _InFlight(msgspec.Struct):
+    prefill_replica: str  # the replica computing the prompt (the decode replica itself on local prefill)
+    prefill_tokens: int  # tokens it must compute (prompt minus predicted cached)
+    prefill_s: float  # their estimated seconds
+    decode_replica: str
+    context_tokens: int  # prompt tokens the sequence holds on the decode replica
+    prefill_pending: bool = True
+
+
+class LoadTracker:
+    def __init__(self, timing: ServiceTimeModel | None = None) -> None:
+        self.timing = timing or ServiceTimeModel()
+        self._replicas: dict[str, _ReplicaLoad] = {}
+        self._inflight: dict[str, _InFlight] = {}
+
+    # ---- membership and engine-reported state
+    # ----------------------------------------------------------------
+
+    def add_replica(self, replica_id: str, role: Role, node_id: str | None = None) -> None:
+        if replica_id not in self._replicas:
+            self._replicas[replica_id] = _ReplicaLoad(role, node_id)
+
+    def remove_replica(self, replica_id: str) -> None:
+        """Forget a replica; in-flight requests that used it keep their entry until they finish."""
+        self._replicas.pop(replica_id, None)
+
+    def set_ready(self, replica_id: str, ready: bool) -> None:
+        self._replicas[replica_id].ready = ready
+
+    def set_draining(self, replica_id: str, draining: bool) -> None:
+        self._replicas[replica_id].draining = draining
+
+    def update_kv_usage(self, replica_id: str, kv_usage: float) -> None:
+        """Engine statistics refresh (fraction of KV cache blocks in use)."""
+        rep = self._replicas.get(replica_id)
+        if rep is not None:
+            rep.kv_usage = min(max(kv_usage, 0.0), 1.0)
+
+    # ---- request lifecycle
+    # ----------------------------------------------------------------------------------
+
+    def on_dispatch(self, req: RouteRequest, d: Decision) -> None:
+        if req.request_id in self._inflight:
+            raise ValueError(f"request {req.request_id!r} is already in flight")
+        computing = d.decode if d.local_prefill or d.prefill is None else d.prefill
+        n = req.num_prompt_tokens
+        cached = min(max(d.predicted_cached_tokens, 0), n)
+        seconds = estimated_prefill_s(self.timing, n, cached)
+        self._inflight[req.request_id] = _InFlight(computing, n - cached, seconds, d.decode, n)
+        rep = self._replicas.get(computing)
+        if rep is not None:
+            rep.queued_prefill_tokens += n - cached
+            rep.queued_prefill_requests += 1
+            rep.queued_prefill_s += seconds
+        dec = self._replicas.get(d.decode)
+        if dec is not None:
+            dec.active_seqs += 1
+            dec.active_context_tokens += n
+
+    def on_prefill_done(self, request_id: str) -> None:
+        f = self._inflight.get(request_id)
+        if f is None or not f.prefill_pending:
+            return
+        f.prefill_pending = False
+        rep = self._replicas.get(f.prefill_replica)
+        if rep is not None:
+            rep.queued_prefill_tokens -= f.prefill_tokens
+            rep.queued_prefill_requests -= 1
+            # Float sums drift: an empty queue is exactly empty.
+            rep.queued_prefill_s = rep.queued_prefill_s - f.prefill_s if rep.queued_prefill_requests else 0.0
+
+    def on_finish(self, request_id: str) -> None:
+        self.on_prefill_done(request_id)
+        f = self._inflight.pop(request_id, None)
+        if f is None:
+            return
+        dec = self._replicas.get(f.decode_replica)
+        if dec is not None:
+            dec.active_seqs -= 1
+            dec.active_context_tokens -= f.context_tokens
+
+    def inflight(self) -> int:
+        return len(self._inflight)
+
+    # ---- views
+    # ----------------------------------------------------------------------------------------------
+
+    def views(self, role: Role) -> list[ReplicaView]:
+        """Every replica of `role`, including not-ready and draining ones (policies skip those)."""
+        return [
+            ReplicaView(
+                replica_id=rid,
+                role=r.role,
+                queued_prefill_tokens=r.queued_prefill_tokens,
+                queued_prefill_requests=r.queued_prefill_requests,
+                queued_prefill_s=r.queued_prefill_s,
+                active_seqs=r.active_seqs,
+                active_context_tokens=r.active_context_tokens,
+                kv_usage=r.kv_usage,
+                ready=r.ready,
+                draining=r.draining,
+                node_id=r.node_id,
+            )
+            for rid, r in self._replicas.items()
+            if r.role == role
+        ]

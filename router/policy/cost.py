@@ -1,0 +1,140 @@
+"""pdserve's routing cost: one formula, in estimated seconds of this request's latency.
+
+    cost(P, D) = w_prefill  * prefill_s(uncached on P, cached on P)    computing the prompt on P
+               + w_queue    * queued_prefill_s(P)                     waiting behind P's queued prompts
+               + w_transfer * transfer_s(tokens D lacks, P~D node)     pulling the KV from P to D
+               + w_decode   * out * tpot_s(active(D) + 1, context(D) + prompt)   decoding the reply on D
+               + kv_full_s  * kv_usage(D)                             KV pressure on D (preemption risk)
+
+Every time comes from `router.policy.service_time.ServiceTimeModel`, the model the trace replay charges, so a
+cached token is worth what it saves: a hit on a long context saves the attention over all of it (quadratic),
+which a count of tokens undervalues against a few thousand queued tokens. `queued_prefill_s(P)` is the sum of
+the same estimate over the prompts queued on P (`router.load.LoadTracker` keeps it; `out` is the request's
+`max_tokens`, capped at `max_output_tokens` because clients often send a large ceiling).
+
+For the local-prefill option (D computes the prompt itself, no P) the same formula applies with P := D and no
+transfer. The selector (`router.policy.selector`) decides which options exist; this module only scores them.
+
+Defaults: with every weight 1 the cost would be the request's own estimated end-to-end seconds. That greedy
+choice gives up a cached prefix whenever its holder's queue is longer than the miss, but a miss also occupies
+the replica for everything queued after it and evicts other sessions' prefixes (future misses), so the prefill
+weight is 5: a miss is charged five times its own seconds. Chosen by a sweep on the trace replay (weight 1 / 3
+/ 5 / 10 on Claude Code at ~50% utilisation: hit/bound 0.94 / 0.97 / 0.98 / 0.99, with max/mean load rising;
+on Mooncake 0.64 / 0.73 / 0.75 / 0.80 with TTFT P99 flat to weight 10); it is a tuning knob, not a
+measurement. `kv_full_s` is a judgement, not a measurement: a decode replica at full KV preempts and
+recomputes sequences; 2 s is the recompute of a ~40k-token context on the default model. Decoding's slowdown
+of the sequences already on D is not charged (it is small against the terms above: one more sequence adds ~1
+ms to a ~25 ms step).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+from router.policy.service_time import ServiceTimeModel
+from router.policy.types import ReplicaView
+
+NonNegative = Annotated[float, msgspec.Meta(ge=0)]
+
+
+class CostWeights(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    timing: ServiceTimeModel = ServiceTimeModel()
+    prefill: NonNegative = 5.0
+    queue: NonNegative = 1.0
+    transfer: NonNegative = 1.0
+    decode: NonNegative = 1.0
+    kv_full_s: NonNegative = 2.0
+    max_output_tokens: Annotated[int, msgspec.Meta(ge=0)] = 1024
+
+
+class CostTerms(msgspec.Struct, frozen=True, kw_only=True):
+    uncached_prefill_tokens: int
+    transfer_tokens: int
+    # Weighted seconds of each term, and their sum.
+    prefill_s: float
+    queue_s: float
+    transfer_s: float
+    decode_s: float
+    total: float
+
+
+def cached_tokens(matched_blocks: int, block_size: int, num_prompt_tokens: int) -> int:
+    """Prompt tokens an engine can take from its prefix cache given `matched_blocks` leading blocks.
+
+    vLLM always computes at least the prompt's last token (its logits start decoding), so a fully cached
+    prompt still computes the block that holds its last token."""
+    if num_prompt_tokens <= 0:
+        return 0
+    return min(matched_blocks * block_size, (num_prompt_tokens - 1) // block_size * block_size)
+
+
+def estimated_prefill_s(timing: ServiceTimeModel, num_prompt_tokens: int, cached: int) -> float:
+    """Seconds to prefill a prompt of which `cached` leading tokens are in the computing replica's cache: the
+    estimate the cost uses and load accounting sums into `ReplicaView.queued_prefill_s`."""
+    return timing.prefill_s(num_prompt_tokens - cached, cached)
+
+
+# The formula's terms. `cost` adds them; the selector adds the same terms itself to search pairs in O(|P| +
+# |D|).
+
+
+def queued_s(w: CostWeights, r: ReplicaView) -> float:
+    """Weighted seconds of prefill work queued on `r`."""
+    if r.queued_prefill_s is not None:
+        return w.queue * r.queued_prefill_s
+    if r.queued_prefill_tokens <= 0:
+        return 0.0
+    # Only counts known: the queue as `requests` prompts of the mean size, nothing cached.
+    reqs = max(r.queued_prefill_requests, 1)
+    return w.queue * reqs * w.timing.prefill_s(r.queued_prefill_tokens // reqs, 0)
+
+
+def prefill_term(w: CostWeights, num_prompt_tokens: int, cached: int, r: ReplicaView) -> float:
+    """Weighted seconds until the prompt is computed on `r`: its own prefill plus `r`'s queue."""
+    return w.prefill * estimated_prefill_s(w.timing, num_prompt_tokens, cached) + queued_s(w, r)
+
+
+def decode_term(w: CostWeights, d: ReplicaView, num_prompt_tokens: int, max_tokens: int) -> float:
+    """Weighted seconds to decode the reply on `d` with its current batch, plus `d`'s KV pressure."""
+    out = min(max_tokens, w.max_output_tokens)
+    step = w.timing.tpot_s(d.active_seqs + 1, d.active_context_tokens + num_prompt_tokens)
+    return w.decode * out * step + w.kv_full_s * d.kv_usage
+
+
+def transfer_term(w: CostWeights, transfer_tokens: int, within_node: bool) -> float:
+    return w.transfer * w.timing.transfer_s(transfer_tokens, within_node)
+
+
+def same_node(p: ReplicaView, d: ReplicaView) -> bool:
+    return p.node_id is not None and p.node_id == d.node_id
+
+
+def cost(
+    w: CostWeights,
+    num_prompt_tokens: int,
+    max_tokens: int,
+    computing: ReplicaView,
+    cached_on_computing: int,
+    decode: ReplicaView,
+    cached_on_decode: int,
+) -> CostTerms:
+    """Score computing the prompt on `computing` and decoding on `decode` (the same replica = local
+    prefill)."""
+    uncached = num_prompt_tokens - cached_on_computing
+    local = computing.replica_id == decode.replica_id
+    transfer = 0 if local else num_prompt_tokens - cached_on_decode
+    prefill = w.prefill * estimated_prefill_s(w.timing, num_prompt_tokens, cached_on_computing)
+    queue = queued_s(w, computing)
+    move = transfer_term(w, transfer, same_node(computing, decode))
+    dec = decode_term(w, decode, num_prompt_tokens, max_tokens)
+    return CostTerms(
+        uncached_prefill_tokens=uncached,
+        transfer_tokens=transfer,
+        prefill_s=prefill,
+        queue_s=queue,
+        transfer_s=move,
+        decode_s=dec,
+        total=prefill + queue + move + dec,
+    )

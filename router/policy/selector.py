@@ -1,0 +1,238 @@
+"""pdserve's routing policy: joint choice of prefill and decode replicas by `router.policy.cost`.
+
+For each eligible decode replica D the options are:
+- local prefill on D, when D's cache holds all but at most `local_prefill_max_tokens` of the prompt (the
+  transfer and the second hop are skipped; this is the only option for such a D);
+- otherwise disaggregated: the prefill replica P minimising cost(P, D). The cost separates into a P part, a D
+  part and the transfer term whose link depends only on whether P and D share a node, so the best P for D is
+  either the cheapest P overall or the cheapest P on D's node: the joint (P, D) optimum costs O(|P| + |D|),
+  not O(|P||D|).
+- with no eligible prefill replica, D prefills locally whatever its cache holds.
+The option with the lowest cost wins.
+
+Ties. Costs within `tie_tolerance_s`, or within `tie_tolerance_rel` x the cheapest option's own prefill
+seconds, of the lowest cost are equivalent (the estimate is not more precise than that, and a queue that is
+short against the job itself says little about where load will build up), and among them the replica that was
+given the least work recently wins: the estimated seconds this policy assigned it, decayed with a half-life of
+`spread_half_life` decisions. Taking the first in order instead sends every cold prompt to the same replica
+whenever queues are empty (low load, the usual state), so one replica's cache churns through every new session
+while the others idle; spreading by recent work places new sessions (and with them, their future turns)
+evenly. The half-life is counted in decisions rather than seconds so that the policy needs no clock and
+replays deterministically.
+
+Session affinity: a session's next turn goes to the decode replica that served its previous turn (its KV is
+there) while that replica is not overloaded: KV usage below `affinity_max_kv_usage` and active sequences at
+most `affinity_max_load_ratio` x the mean over eligible decode replicas + `affinity_load_slack`. When
+overloaded, the session is re-placed by cost and sticks to its new replica.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Annotated
+
+import msgspec
+
+from router.policy.cost import (
+    CostWeights,
+    cached_tokens,
+    decode_term,
+    estimated_prefill_s,
+    queued_s,
+    transfer_term,
+)
+from router.policy.types import Decision, NoReplicaError, PrefixLookup, ReplicaView, RouteRequest
+
+
+class PdservePolicyConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    weights: CostWeights = CostWeights()
+    local_prefill_max_tokens: Annotated[int, msgspec.Meta(ge=0)] = 512
+    session_affinity: bool = True
+    affinity_max_kv_usage: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.9
+    affinity_max_load_ratio: Annotated[float, msgspec.Meta(ge=1)] = 1.5
+    affinity_load_slack: Annotated[int, msgspec.Meta(ge=0)] = 4
+    max_sessions: Annotated[int, msgspec.Meta(gt=0)] = 100_000
+    tie_tolerance_s: Annotated[float, msgspec.Meta(ge=0)] = 0.05
+    tie_tolerance_rel: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    spread_half_life: Annotated[float, msgspec.Meta(gt=0)] = 2000.0
+
+
+class _RecentWork:
+    """Estimated seconds assigned per replica, decayed per decision. Values are stored multiplied by a
+    growing scale (so a decay step touches one float, not every replica) and rescaled before it overflows."""
+
+    def __init__(self, half_life: float) -> None:
+        self._growth = 2.0 ** (1.0 / half_life)
+        self._scale = 1.0
+        self._work: dict[str, float] = {}
+
+    def tick(self) -> None:
+        self._scale *= self._growth
+        if self._scale > 1e200:
+            self._work = {k: v / self._scale for k, v in self._work.items()}
+            self._scale = 1.0
+
+    def add(self, replica_id: str, seconds: float) -> None:
+        self._work[replica_id] = self._work.get(replica_id, 0.0) + seconds * self._scale
+
+    def key(self, replica_id: str) -> float:
+        """Comparable between replicas (not in seconds)."""
+        return self._work.get(replica_id, 0.0)
+
+    def seconds(self, replica_id: str) -> float:
+        return self._work.get(replica_id, 0.0) / self._scale
+
+
+class PdservePolicy:
+    name = "pdserve"
+
+    def __init__(self, config: PdservePolicyConfig | None = None) -> None:
+        self.config = config or PdservePolicyConfig()
+        self._session_decode: OrderedDict[str, str] = OrderedDict()
+        self.recent = _RecentWork(self.config.spread_half_life)
+
+    def choose(
+        self,
+        req: RouteRequest,
+        prefill: Sequence[ReplicaView],
+        decode: Sequence[ReplicaView],
+        cache: PrefixLookup,
+    ) -> Decision:
+        cfg = self.config
+        w = cfg.weights
+        decs = [d for d in decode if d.eligible]
+        if not decs:
+            raise NoReplicaError("no ready decode replica")
+        pres = [p for p in prefill if p.eligible]
+        n = req.num_prompt_tokens
+        bs = req.block_size
+        matched = cache.matched_blocks(req.block_hashes, [r.replica_id for r in (*pres, *decs)])
+        cached = {rid: cached_tokens(b, bs, n) for rid, b in matched.items()}
+        # Replicas holding the same prefix length share one prefill estimate.
+        prefill_s: dict[int, float] = {}
+
+        def own_prefill_s(c: int) -> float:
+            s = prefill_s.get(c)
+            if s is None:
+                s = prefill_s[c] = estimated_prefill_s(w.timing, n, c)
+            return s
+
+        candidates = decs
+        affinity = False
+        if cfg.session_affinity and req.session_id is not None:
+            prev = self._session_decode.get(req.session_id)
+            sticky = next((d for d in decs if d.replica_id == prev), None)
+            if sticky is not None and not self._overloaded(sticky, decs):
+                candidates = [sticky]
+                affinity = True
+
+        # P part of the cost (own prefill + queue), and the best P overall and on each candidate D's node.
+        best_p: ReplicaView | None = None
+        best_f = 0.0
+        best_on_node: dict[str, tuple[float, ReplicaView]] = {}
+        if pres:
+            owns = [own_prefill_s(cached[p.replica_id]) for p in pres]
+            fs = [w.prefill * o + queued_s(w, p) for o, p in zip(owns, pres, strict=True)]
+            i = self._pick(pres, fs, owns)
+            best_p, best_f = pres[i], fs[i]
+            nodes = {d.node_id for d in candidates if d.node_id is not None}
+            if nodes:
+                groups: dict[str, list[int]] = {}
+                for j, p in enumerate(pres):
+                    if p.node_id in nodes:
+                        groups.setdefault(p.node_id, []).append(j)
+                for node, idx in groups.items():
+                    k = idx[self._pick([pres[j] for j in idx], [fs[j] for j in idx], [owns[j] for j in idx])]
+                    best_on_node[node] = (fs[k], pres[k])
+
+        options: list[float] = []
+        computing: list[ReplicaView] = []
+        own: list[float] = []  # the option's own prefill seconds
+        for d in candidates:
+            c_d = cached[d.replica_id]
+            load = decode_term(w, d, n, req.max_tokens)
+            if best_p is None or n - c_d <= cfg.local_prefill_max_tokens:
+                options.append(w.prefill * own_prefill_s(c_d) + queued_s(w, d) + load)
+                computing.append(d)
+                own.append(own_prefill_s(c_d))
+                continue
+            transfer = n - c_d
+            total, p = best_f + load + transfer_term(w, transfer, False), best_p
+            if best_p.node_id is not None and best_p.node_id == d.node_id:
+                total = best_f + load + transfer_term(w, transfer, True)
+            local_best = best_on_node.get(d.node_id) if d.node_id is not None else None
+            if local_best is not None and local_best[1] is not best_p:
+                near = local_best[0] + load + transfer_term(w, transfer, True)
+                if near < total:
+                    total, p = near, local_best[1]
+            options.append(total)
+            computing.append(p)
+            own.append(own_prefill_s(cached[p.replica_id]))
+        i = self._pick(candidates, options, own)
+        dec, comp = candidates[i], computing[i]
+        local = comp is dec
+        self._account(req, comp, cached[comp.replica_id], dec, own_prefill_s(cached[comp.replica_id]))
+        if req.session_id is not None:
+            self._remember(req.session_id, dec.replica_id)
+        reason = ("no_prefill_replica" if best_p is None else "local_prefill") if local else "disaggregated"
+        return Decision(
+            prefill=None if local else comp.replica_id,
+            decode=dec.replica_id,
+            local_prefill=local,
+            predicted_cached_tokens=cached[comp.replica_id],
+            predicted_decode_cached_tokens=cached[dec.replica_id],
+            cost=options[i],
+            reason=f"affinity_{reason}" if affinity else reason,
+        )
+
+    def on_finish(self, req: RouteRequest, d: Decision) -> None:
+        return None  # session placement outlives requests; nothing per request to release
+
+    def _pick(
+        self,
+        replicas: Sequence[ReplicaView],
+        costs: list[float],
+        own_s: list[float],
+    ) -> int:
+        """Index of the lowest cost, ties (within tolerance) to the replica with the least recent work.
+        `own_s`: each option's own (unweighted) prefill seconds."""
+        if len(costs) == 1:
+            return 0
+        lo = min(costs)
+        own = own_s[costs.index(lo)]
+        limit = lo + max(self.config.tie_tolerance_s, self.config.tie_tolerance_rel * own)
+        key = self.recent.key
+        best = -1
+        best_key = (0.0, 0.0)
+        for i, c in enumerate(costs):
+            if c <= limit:
+                k = (key(replicas[i].replica_id), c)
+                if best < 0 or k < best_key:
+                    best, best_key = i, k
+        return best
+
+    def _account(
+        self, req: RouteRequest, comp: ReplicaView, cached: int, dec: ReplicaView, prefill_s: float
+    ) -> None:
+        """Charge the chosen replicas' recent work with this request's estimated seconds."""
+        w = self.config.weights
+        rw = self.recent
+        rw.tick()
+        rw.add(comp.replica_id, prefill_s)
+        out = min(req.max_tokens, w.max_output_tokens)
+        rw.add(dec.replica_id, out * w.timing.tpot_s(dec.active_seqs + 1, dec.active_context_tokens))
+
+    def _overloaded(self, d: ReplicaView, decs: Sequence[ReplicaView]) -> bool:
+        cfg = self.config
+        if d.kv_usage >= cfg.affinity_max_kv_usage:
+            return True
+        mean_active = sum(x.active_seqs for x in decs) / len(decs)
+        return d.active_seqs > cfg.affinity_max_load_ratio * mean_active + cfg.affinity_load_slack
+
+    def _remember(self, session_id: str, decode_id: str) -> None:
+        s = self._session_decode
+        s[session_id] = decode_id
+        s.move_to_end(session_id)
+        if len(s) > self.config.max_sessions:
+            s.popitem(last=False)

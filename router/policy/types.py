@@ -1,0 +1,100 @@
+"""The routing-policy contract shared by the live router and the trace-replay simulator.
+
+Both callers build `ReplicaView`s from their own load accounting, hash the prompt into
+`RouteRequest.block_hashes` with `router.block_hash`, and call `Policy.choose(req, prefill, decode, cache)`;
+when the request finishes they call `Policy.on_finish(req, decision)`. `cache` answers "how many leading
+blocks of this prompt does each replica hold" (`router.kv_index.KvIndex` implements it; the simulator feeds a
+`KvIndex` from its own LRU caches' events).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Literal, Protocol
+
+import msgspec
+
+Role = Literal["prefill", "decode"]
+
+
+class ReplicaView(msgspec.Struct, kw_only=True):
+    """One replica's load as the router sees it at decision time."""
+
+    replica_id: str
+    role: Role
+    # Prompt tokens dispatched to this replica and not yet prefilled (for decode replicas: local prefills).
+    queued_prefill_tokens: int
+    # Sequences currently decoding on it (0 for pure prefill replicas).
+    active_seqs: int
+    # Fraction of its KV cache in use, 0..1 (engine-reported, refreshed periodically).
+    kv_usage: float
+    ready: bool = True
+    draining: bool = False
+    # Requests behind `queued_prefill_tokens` (request-count load, as SGLang's router measures it).
+    queued_prefill_requests: int = 0
+    # Node the replica runs on: a P->D transfer within a node (NVLink) is cheaper than across nodes.
+    node_id: str | None = None
+    # Estimated seconds of the prefill work behind `queued_prefill_tokens` (sum of the service-time model's
+    # estimate per queued request; `router.load.LoadTracker` keeps it). None: the cost estimates it from the
+    # token and request counts alone (no attention over cached context).
+    queued_prefill_s: float | None = None
+    # Prompt tokens of the sequences behind `active_seqs` (their KV, which every decode step streams).
+    active_context_tokens: int = 0
+
+    @property
+    def eligible(self) -> bool:
+        """May receive new work."""
+        return self.ready and not self.draining
+
+
+class RouteRequest(msgspec.Struct, kw_only=True):
+    request_id: str
+    session_id: str | None
+    num_prompt_tokens: int
+    # Router hashes of the prompt's full blocks (router.block_hash chain), in prompt order.
+    block_hashes: list[int]
+    block_size: int
+    max_tokens: int
+
+
+class Decision(msgspec.Struct, kw_only=True):
+    # Prefill replica; None when the decode replica prefills the prompt itself (local prefill).
+    prefill: str | None
+    decode: str
+    local_prefill: bool
+    # Prompt tokens the router expects to be cached on the replica that computes the prompt.
+    predicted_cached_tokens: int
+    # Prompt tokens the router expects to be cached on the decode replica (what a transfer can skip).
+    predicted_decode_cached_tokens: int
+    cost: float
+    # Short machine-friendly label for logs/metrics, e.g. "cost", "local_prefill", "affinity", "round_robin".
+    reason: str
+
+
+class PrefixLookup(Protocol):
+    def matched_blocks(self, block_hashes: Sequence[int], replica_ids: Iterable[str]) -> dict[str, int]:
+        """Number of leading blocks of `block_hashes` each replica holds (0 when none or unknown)."""
+        ...
+
+
+class Policy(Protocol):
+    name: str
+
+    def choose(
+        self,
+        req: RouteRequest,
+        prefill: Sequence[ReplicaView],
+        decode: Sequence[ReplicaView],
+        cache: PrefixLookup,
+    ) -> Decision:
+        """Pick the prefill and decode replicas. Raises NoReplicaError when no eligible decode replica
+        exists."""
+        ...
+
+    def on_finish(self, req: RouteRequest, d: Decision) -> None:
+        """The request finished (any outcome); policies with per-request state release it here."""
+        ...
+
+
+class NoReplicaError(Exception):
+    """No ready, non-draining replica can serve the request (maps to gRPC UNAVAILABLE)."""

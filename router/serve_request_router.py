@@ -1,0 +1,31 @@
+"""A Ray Serve request router that honours pdserve's replica choice.
+
+pdserve's policy picks the prefill and decode replicas itself (it knows which one holds the prompt's
+KV blocks); the choice travels with each call as the `replica_hint` keyword argument. Serve still owns
+membership: its candidates are the replicas that are running and not draining, so a hint naming a
+replica that died or is being drained is simply not among them, and Serve's usual choice applies.
+Set per deployment in the Serve config (cluster/serve_config.py).
+"""
+
+from __future__ import annotations
+
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+HINT_KWARG = "replica_hint"
+IMPORT_PATH = "router.serve_request_router:ReplicaHintRouter"
+
+
+class ReplicaHintRouter(RequestRouter):
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        hint = pending_request.kwargs.get(HINT_KWARG) if pending_request is not None else None
+        if hint:
+            target = [r for r in candidate_replicas if r.replica_id.unique_id == hint]
+            if target:
+                # The hinted replica first; if it is at max_ongoing_requests, spill to the others rather
+                # than queue (the request loses its cache locality, never its turn).
+                return [target, [r for r in candidate_replicas if r.replica_id.unique_id != hint]]
+        return [candidate_replicas]

@@ -1,0 +1,291 @@
+"""The replay simulator's invariants, on tiny synthetic traces."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import pytest
+
+from bench.replay.cache import LruBlockCache
+from bench.replay.index_feed import KvIndexFeed
+from bench.replay.load import refine
+from bench.replay.metrics import summarize
+from bench.replay.sim import SimConfig, Simulator
+from bench.replay.traces import BlockHasher, Session, Trace, TraceRequest, infinite_cache_hit_ratio
+from router.policy.service_time import ServiceTimeModel
+from router.policy.types import Decision, PrefixLookup, ReplicaView, RouteRequest
+
+BLOCK = 16
+
+
+class Events:
+    """Records the cache's KV events."""
+
+    def __init__(self) -> None:
+        self.stored: list[tuple[str, list[int], int | None]] = []
+        self.removed: list[tuple[str, list[int]]] = []
+
+    def on_stored(self, replica_id: str, block_hashes: list[int], parent_hash: int | None) -> None:
+        self.stored.append((replica_id, list(block_hashes), parent_hash))
+
+    def on_removed(self, replica_id: str, block_hashes: list[int]) -> None:
+        self.removed.append((replica_id, list(block_hashes)))
+
+
+class FirstReplicaPolicy:
+    """Always prefill on the first prefill replica (or locally when none) and decode on the first decode."""
+
+    name = "first"
+
+    def __init__(self) -> None:
+        self.finished: list[str] = []
+
+    def choose(
+        self,
+        req: RouteRequest,
+        prefill: Sequence[ReplicaView],
+        decode: Sequence[ReplicaView],
+        cache: PrefixLookup,
+    ) -> Decision:
+        p = prefill[0].replica_id if prefill else None
+        ids = [decode[0].replica_id] + ([p] if p else [])
+        matched = cache.matched_blocks(req.block_hashes, ids)
+        return Decision(
+            prefill=p,
+            decode=decode[0].replica_id,
+            local_prefill=p is None,
+            predicted_cached_tokens=matched[p or decode[0].replica_id] * req.block_size,
+            predicted_decode_cached_tokens=matched[decode[0].replica_id] * req.block_size,
+            cost=0.0,
+            reason="first",
+        )
+
+    def on_finish(self, req: RouteRequest, d: Decision) -> None:
+        self.finished.append(req.request_id)
+
+
+def make_trace(
+    prompts: list[list[list[int]]],
+    *,
+    closed_loop: bool,
+    gaps: float = 0.0,
+    arrivals: list[float] | None = None,
+) -> Trace:
+    """`prompts[s][t]`: trace ids of session s, turn t (one id per block)."""
+    hasher = BlockHasher(BLOCK, 1)
+    sessions = []
+    k = 0
+    for s, turns in enumerate(prompts):
+        reqs = []
+        for t, ids in enumerate(turns):
+            reqs.append(
+                TraceRequest(
+                    request_id=f"s{s}/{t}",
+                    session_id=f"s{s}",
+                    arrival_s=arrivals[k] if arrivals else 0.0,
+                    gap_s=gaps if t else 0.0,
+                    num_prompt_tokens=len(ids) * BLOCK + 1,
+                    num_output_tokens=4,
+                    block_hashes=hasher.hashes(ids, len(ids), s),
+                )
+            )
+            k += 1
+        sessions.append(Session(session_id=f"s{s}", requests=tuple(reqs)))
+    return Trace(
+        name="claude-code",
+        closed_loop=closed_loop,
+        block_tokens=BLOCK,
+        sessions=tuple(sessions),
+        hasher=hasher,
+    )
+
+
+def simulate(trace: Trace, cfg: SimConfig, policy: FirstReplicaPolicy | None = None) -> Simulator:
+    replica_ids = [f"p{i}" for i in range(cfg.prefill_replicas)] + [
+        f"d{i}" for i in range(cfg.decode_replicas)
+    ]
+
+    def index_factory() -> tuple[KvIndexFeed, PrefixLookup]:
+        feed = KvIndexFeed(trace, replica_ids)
+        return feed, feed.index
+
+    sim = Simulator(trace, policy or FirstReplicaPolicy(), cfg, index_factory=index_factory)
+    sim.run()
+    return sim
+
+
+# ---- LRU cache ---------------------------------------------------------------------------------------------
+
+
+def test_lru_evicts_least_recently_used_block_first() -> None:
+    ev = Events()
+    c = LruBlockCache("r", 4, ev)
+    assert c.access([1, 2]) == 0
+    assert c.access([3, 4]) == 0
+    assert c.access([1]) == 1  # 1 becomes most recent: order 2, 3, 4, 1
+    c.access([5, 6])
+    assert c.lru_order() == [4, 1, 5, 6]
+    assert ev.removed == [("r", [2, 3])]
+
+
+def test_hits_are_a_prefix_and_stop_at_the_first_missing_block() -> None:
+    c = LruBlockCache("r", None)
+    c.access([1, 2, 3])
+    assert c.prefix_hits([1, 2, 9, 3]) == 2
+    assert c.prefix_hits([9, 1, 2]) == 0
+    assert c.access([1, 2, 3, 4]) == 3
+
+
+def test_stored_events_are_contiguous_runs_with_their_parent() -> None:
+    ev = Events()
+    c = LruBlockCache("r", None, ev)
+    c.access([1, 2])
+    c.access([1, 2, 3, 4])
+    assert ev.stored == [("r", [1, 2], None), ("r", [3, 4], 2)]
+
+
+def test_capacity_must_be_positive() -> None:
+    with pytest.raises(ValueError):
+        LruBlockCache("r", 0)
+
+
+# ---- hit accounting and the infinite-cache bound ---------------------------------------------------------
+
+
+def test_unbounded_single_replica_hit_ratio_equals_the_bound() -> None:
+    # Three sessions growing their context turn by turn, and one sharing nothing.
+    prompts = [
+        [[1, 2], [1, 2, 3], [1, 2, 3, 4, 5]],
+        [[1, 7], [1, 7, 8]],
+        [[9], [9, 10], [9, 10, 11]],
+    ]
+    trace = make_trace(prompts, closed_loop=True, gaps=1.0)
+    sim = simulate(
+        trace, SimConfig(prefill_replicas=1, decode_replicas=1, capacity_blocks=None, concurrency=3)
+    )
+    result = summarize("first", sim, sim.records, infinite_cache_hit_ratio(trace), 0.0)
+    # Hand count: turns hit 0+2+3, 0+2, 0+1+2 of 2+3+5, 2+3, 1+2+3 blocks (session ids are namespaced).
+    assert result.hit_ratio == pytest.approx(10 / 21)
+    assert result.bound == pytest.approx(10 / 21)
+    assert result.hit_vs_bound == pytest.approx(1.0)
+
+
+def test_a_small_cache_loses_hits_and_counts_them_where_the_prompt_is_computed() -> None:
+    prompts = [[[1, 2, 3, 4], [1, 2, 3, 4, 5]], [[6, 7, 8, 9], [6, 7, 8, 9, 10]]]
+    trace = make_trace(prompts, closed_loop=False, arrivals=[0.0, 100.0, 1.0, 101.0])
+    # Capacity 5: session 1's first turn (t=1) evicts most of session 0's blocks before its second turn.
+    sim = simulate(trace, SimConfig(prefill_replicas=1, decode_replicas=1, capacity_blocks=5))
+    by_id = {r.request_id: r for r in sim.records}
+    assert by_id["s0/1"].cached_blocks == 0
+    assert by_id["s1/1"].cached_blocks == 0  # its blocks were evicted by s0/1 in turn
+    assert sum(r.computed_tokens for r in sim.records) == sum(r.num_blocks * BLOCK + 1 for r in sim.records)
+
+
+def test_the_router_index_matches_the_caches_after_every_event() -> None:
+    prompts = [[[1, 2, 3], [1, 2, 3, 4]], [[1, 5], [1, 5, 6, 7]], [[2, 3], [2, 3, 4, 8, 9]]]
+    trace = make_trace(prompts, closed_loop=True, gaps=0.5)
+    sim = simulate(trace, SimConfig(prefill_replicas=2, decode_replicas=2, capacity_blocks=4, concurrency=3))
+    all_hashes = [r.block_hashes for r in trace.requests()]
+    servers = [*sim.prefill, *sim.decode]
+    for hashes in all_hashes:
+        got = sim.lookup.matched_blocks(list(hashes), [s.replica_id for s in servers])
+        assert got == {s.replica_id: s.cache.prefix_hits(hashes) for s in servers}
+
+
+# ---- closed and open loop --------------------------------------------------------------------------------
+
+
+def test_closed_loop_sends_the_next_turn_a_gap_after_the_previous_reply() -> None:
+    trace = make_trace([[[1], [1, 2], [1, 2, 3]]], closed_loop=True, gaps=7.0)
+    policy = FirstReplicaPolicy()
+    sim = simulate(
+        trace, SimConfig(prefill_replicas=1, decode_replicas=1, concurrency=1, stagger_s=0.0), policy
+    )
+    recs = sorted(sim.records, key=lambda r: r.arrival)
+    for prev, nxt in itertools.pairwise(recs):
+        assert nxt.arrival == pytest.approx(prev.finish + 7.0)
+    assert policy.finished == ["s0/0", "s0/1", "s0/2"]
+
+
+def test_gaps_are_capped_and_scaled() -> None:
+    trace = make_trace([[[1], [1, 2]]], closed_loop=True, gaps=1000.0)
+    cfg = SimConfig(
+        prefill_replicas=1, decode_replicas=1, concurrency=1, stagger_s=0.0, max_gap_s=50, gap_scale=0.5
+    )
+    recs = sorted(simulate(trace, cfg).records, key=lambda r: r.arrival)
+    assert recs[1].arrival == pytest.approx(recs[0].finish + 25.0)
+
+
+def test_concurrency_bounds_sessions_in_flight() -> None:
+    trace = make_trace([[[i], [i, 100 + i]] for i in range(6)], closed_loop=True, gaps=3.0)
+    sim = simulate(trace, SimConfig(prefill_replicas=1, decode_replicas=1, concurrency=2, stagger_s=0.0))
+    spans: dict[str, tuple[float, float]] = {}
+    for r in sim.records:
+        lo, hi = spans.get(r.session_id, (r.arrival, r.finish))
+        spans[r.session_id] = (min(lo, r.arrival), max(hi, r.finish))
+    for t in sorted({lo for lo, _ in spans.values()}):
+        in_flight = sum(lo <= t < hi for lo, hi in spans.values())
+        assert in_flight <= 2
+    assert len(spans) == 6
+
+
+def test_open_loop_arrivals_follow_the_time_scale() -> None:
+    trace = make_trace([[[1]], [[2]], [[3]]], closed_loop=False, arrivals=[0.0, 10.0, 40.0])
+    sim = simulate(trace, SimConfig(prefill_replicas=1, decode_replicas=1, time_scale=4.0))
+    assert sorted(r.arrival for r in sim.records) == pytest.approx([0.0, 2.5, 10.0])
+
+
+def test_fifo_prefill_queue_and_ttft_include_queueing() -> None:
+    timing = ServiceTimeModel()
+    trace = make_trace([[[1, 2, 3]], [[4, 5, 6]]], closed_loop=False, arrivals=[0.0, 0.0])
+    sim = simulate(trace, SimConfig(prefill_replicas=1, decode_replicas=1, timing=timing))
+    a, b = sorted(sim.records, key=lambda r: r.prefill_start)
+    assert b.prefill_start == pytest.approx(a.prefill_end)
+    assert b.queue_wait == pytest.approx(a.prefill_end - a.arrival)
+    assert b.ttft > b.queue_wait + timing.prefill_s(3 * BLOCK + 1, 0)
+
+
+def test_local_prefill_uses_the_decode_replicas_cache() -> None:
+    trace = make_trace([[[1, 2], [1, 2, 3]]], closed_loop=True, gaps=1.0)
+    sim = simulate(trace, SimConfig(prefill_replicas=0, decode_replicas=1, concurrency=1))
+    second = max(sim.records, key=lambda r: r.arrival)
+    assert second.local_prefill and second.cached_blocks == 2
+    assert sim.decode[0].computed_tokens == sum(r.computed_tokens for r in sim.records)
+
+
+# ---- load setting ----------------------------------------------------------------------------------------
+
+
+def test_refine_backs_off_a_saturated_pool_and_bisects_to_the_target() -> None:
+    # Utilisation of a pool that saturates (a cache cliff) above 60 sessions.
+    def util(k: float) -> float:
+        return min(1.0, k / 100) if k <= 60 else 1.0
+
+    seen: list[float] = []
+
+    def measure(k: float) -> float:
+        seen.append(k)
+        return util(k)
+
+    knob, got = refine(188, 0.55, measure, rounds=8, integer=True)
+    assert seen[:2] == [188, 94]  # saturated: halve
+    assert abs(got - 0.55) <= 0.05 and got == util(knob) and knob < 60
+
+
+def test_the_policy_sees_queued_prefill_seconds_from_the_routers_load_accounting() -> None:
+    class Recording(FirstReplicaPolicy):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[float | None] = []
+
+        def choose(self, req, prefill, decode, cache):  # type: ignore[no-untyped-def]
+            self.seen.append(prefill[0].queued_prefill_s)
+            return super().choose(req, prefill, decode, cache)
+
+    timing = ServiceTimeModel()
+    trace = make_trace([[[1, 2, 3]], [[4, 5]]], closed_loop=False, arrivals=[0.0, 0.0])
+    policy = Recording()
+    simulate(trace, SimConfig(prefill_replicas=1, decode_replicas=1, timing=timing), policy)
+    # The second arrival finds the first prompt (3 blocks + 1 token, nothing cached) queued or running.
+    assert policy.seen == [0.0, pytest.approx(timing.prefill_s(3 * BLOCK + 1, 0))]

@@ -1,0 +1,92 @@
+"""KV-aware routing on real engines: one prefill and two decode vLLM replicas, the router fed by the
+engines' own KV events. An agent session's next turn goes to the decode replica holding its previous
+turn, which reports the prefix as cached and prefills only the new suffix itself (no prefill hop)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+from e2e_support import RunningCluster, make_topology
+
+from router.api import pdserve_pb2 as pb
+from router.client import PdserveClient
+
+pytestmark = pytest.mark.e2e
+
+BLOCK = 32
+SYSTEM = "You are a coding agent. Use the tools to inspect the repository before answering. " * 12
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PdserveClient]:
+    topology = make_topology(tmp_path_factory.mktemp("kv"), pools__decode__replicas=2)
+    cluster = RunningCluster(topology)
+    try:
+        cluster.wait_ready()
+        c = PdserveClient(cluster.target, timeout=180)
+        # Both decode replicas registered with the router before the first turn.
+        deadline = time.monotonic() + 60
+        while sum(r.role == "decode" for r in c.cluster_status()) < 2 and time.monotonic() < deadline:
+            time.sleep(1)
+        yield c
+        c.close()
+    finally:
+        cluster.down()
+
+
+def conversation(turns: int) -> list[dict[str, object]]:
+    messages: list[dict[str, object]] = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Find where the router hashes blocks."},
+    ]
+    for t in range(turns - 1):
+        call = f"call_{t}"
+        messages.append(
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [{"id": call, "name": "grep", "arguments": {"q": "hash"}}],
+            }
+        )
+        messages.append(
+            {"role": "tool", "tool_call_id": call, "content": f"router/block_hash.py:{t}: def hash_blocks"}
+        )
+    return messages
+
+
+def test_next_turn_goes_to_the_decode_replica_holding_the_session_and_skips_prefill(
+    client: PdserveClient,
+) -> None:
+    first = client.generate_text(
+        messages=conversation(1), session_id="agent-1", max_tokens=8, temperature=0.0
+    )
+    assert first.served_by.path == pb.SERVING_PATH_DISAGGREGATED  # a cold prompt: prefill, then NIXL
+    prompt_blocks = first.usage.prompt_tokens // BLOCK
+    assert prompt_blocks >= 10
+    time.sleep(1.0)  # the agent's tool call; the engines' KV events reach the router meanwhile
+
+    second = client.generate_text(
+        messages=conversation(2), session_id="agent-1", max_tokens=8, temperature=0.0
+    )
+    assert second.served_by.decode_replica == first.served_by.decode_replica
+    # The decode replica held all but the new suffix: it prefilled locally, no prefill leg, no KV moved.
+    assert second.served_by.path == pb.SERVING_PATH_LOCAL_PREFILL
+    assert second.served_by.prefill_replica == ""
+    assert second.usage.kv_transferred_tokens == 0
+    # The engine itself reports the previous turn's prefix as cached, and the router predicted it.
+    assert second.usage.cached_tokens >= (prompt_blocks - 1) * BLOCK
+    assert second.usage.predicted_cached_tokens >= (prompt_blocks - 1) * BLOCK
+    assert abs(second.usage.predicted_cached_tokens - second.usage.cached_tokens) <= BLOCK
+
+
+def test_a_new_session_goes_where_it_is_cheapest_and_keeps_its_replica(client: PdserveClient) -> None:
+    served = []
+    for turns in (1, 2, 3):
+        done = client.generate_text(
+            messages=conversation(turns), session_id="agent-2", max_tokens=4, temperature=0.0
+        )
+        served.append(done.served_by.decode_replica)
+        time.sleep(1.0)
+    assert len(set(served)) == 1

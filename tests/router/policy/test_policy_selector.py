@@ -1,0 +1,225 @@
+"""pdserve's policy: each cost term moves the choice; local-prefill threshold; affinity; eligibility."""
+
+import random
+
+import msgspec
+import pytest
+from policy_helpers import BS, FixedLookup, request, view
+
+from router.policy.cost import CostWeights, cost
+from router.policy.selector import PdservePolicy, PdservePolicyConfig
+from router.policy.types import NoReplicaError, ReplicaView
+
+N = 4096  # prompt tokens (256 blocks)
+
+
+def queued(v: ReplicaView, seconds: float) -> ReplicaView:
+    return msgspec.structs.replace(v, queued_prefill_s=seconds)
+
+
+def choose(prefill, decode, blocks=None, n=N, session=None, policy=None):  # type: ignore[no-untyped-def]
+    pol = policy or PdservePolicy()
+    return pol.choose(request(n, session), prefill, decode, FixedLookup(blocks))
+
+
+def test_uncached_prefill_term_prefers_the_prefill_replica_holding_the_prefix() -> None:
+    d = choose([view("p0"), view("p1")], [view("d0", "decode")], {"p1": 200})
+    assert d.prefill == "p1" and d.predicted_cached_tokens == 200 * BS and not d.local_prefill
+    assert d.reason == "disaggregated"
+
+
+def test_queued_prefill_term_moves_work_off_a_busy_prefill_replica() -> None:
+    # p0 holds 3200 of 4096 tokens; the hit saves well under a second of prefill.
+    d = choose([queued(view("p0"), 5.0), view("p1")], [view("d0", "decode")], {"p0": 200})
+    assert d.prefill == "p1"
+    d = choose([queued(view("p0"), 0.06), view("p1")], [view("d0", "decode")], {"p0": 200})
+    assert d.prefill == "p0"
+    # Without an estimate in the view, the queued token and request counts stand in for it.
+    d = choose([view("p0", queued=200_000, reqs=10), view("p1")], [view("d0", "decode")], {"p0": 200})
+    assert d.prefill == "p1"
+
+
+@pytest.mark.parametrize("field, value", [("active", 10), ("kv", 0.8)])
+def test_decode_load_term_moves_the_decode_choice(field: str, value: float) -> None:
+    busy = view("d0", "decode", **{field: value})  # type: ignore[arg-type]
+    assert choose([view("p0")], [busy, view("d1", "decode")]).decode == "d1"
+
+
+def test_transfer_term_prefers_decode_holding_more_of_the_prompt() -> None:
+    d = choose([view("p0")], [view("d0", "decode"), view("d1", "decode")], {"d1": 100})
+    assert d.decode == "d1" and d.predicted_decode_cached_tokens == 100 * BS
+
+
+def test_transfer_term_prefers_a_prefill_replica_on_the_decode_node() -> None:
+    n = 100_000  # a long prompt: the cross-node transfer takes ~18 ms, the NVLink one ~2 ms
+    pres = [view("p0", node="n0"), view("p1", node="n1")]
+    assert choose(pres, [view("d1", "decode", node="n1")], n=n).prefill == "p1"
+    # Joint choice: a slightly busier same-node P still wins when the transfer saving exceeds its queue...
+    pres = [view("p0", node="n0"), queued(view("p1", node="n1"), 0.005)]
+    assert choose(pres, [view("d1", "decode", node="n1")], n=n).prefill == "p1"
+    # ...and loses when its queue costs more than the saving.
+    pres = [view("p0", node="n0"), queued(view("p1", node="n1"), 1.0)]
+    assert choose(pres, [view("d1", "decode", node="n1")], n=n).prefill == "p0"
+
+
+@pytest.mark.parametrize("held_blocks, local", [(256 - 32, True), (256 - 33, False)])
+def test_local_prefill_threshold_edges(held_blocks: int, local: bool) -> None:
+    # Threshold 512 tokens = 32 blocks; with all 256 blocks of a 4096-token prompt held, 16 tokens remain.
+    pol = PdservePolicy(PdservePolicyConfig(local_prefill_max_tokens=512))
+    d = choose([view("p0")], [view("d0", "decode")], {"d0": held_blocks}, policy=pol)
+    assert d.local_prefill is local
+    if local:
+        assert (
+            d.prefill is None
+            and d.reason == "local_prefill"
+            and d.predicted_cached_tokens == held_blocks * BS
+        )
+    else:
+        assert d.prefill == "p0"
+
+
+def test_local_prefill_disabled_with_zero_threshold_except_fully_cached() -> None:
+    pol = PdservePolicy(PdservePolicyConfig(local_prefill_max_tokens=0))
+    assert not choose([view("p0")], [view("d0", "decode")], {"d0": 200}, policy=pol).local_prefill
+
+
+def test_no_prefill_replica_means_local_prefill() -> None:
+    d = choose([view("p0", ready=False)], [view("d0", "decode")])
+    assert d.local_prefill and d.reason == "no_prefill_replica"
+
+
+def test_draining_and_not_ready_replicas_are_never_chosen() -> None:
+    pres = [view("p0", draining=True), view("p1", ready=False), view("p2", queued=50_000)]
+    decs = [
+        view("d0", "decode", draining=True),
+        view("d1", "decode", ready=False),
+        view("d2", "decode", active=99),
+    ]
+    d = choose(pres, decs, {"p0": 256, "p1": 256, "d0": 256, "d1": 256})
+    assert (d.prefill, d.decode) == ("p2", "d2")
+    with pytest.raises(NoReplicaError):
+        choose([view("p0")], [view("d0", "decode", draining=True)])
+
+
+def test_session_sticks_to_its_decode_replica_while_not_overloaded() -> None:
+    pol = PdservePolicy()
+    decs = [view("d0", "decode"), view("d1", "decode")]
+    first = choose([view("p0")], decs, {"d1": 1}, session="s", policy=pol)
+    assert first.decode == "d1"
+    # Next turn: d0 now looks cheaper (d1 has a few more sequences) but the session stays on d1.
+    decs = [view("d0", "decode"), view("d1", "decode", active=3)]
+    nxt = choose([view("p0")], decs, session="s", policy=pol)
+    assert nxt.decode == "d1" and nxt.reason.startswith("affinity_")
+
+
+@pytest.mark.parametrize("busy", [view("d1", "decode", kv=0.95), view("d1", "decode", active=30)])
+def test_session_escapes_an_overloaded_decode_replica(busy) -> None:  # type: ignore[no-untyped-def]
+    pol = PdservePolicy()
+    choose([view("p0")], [view("d0", "decode"), view("d1", "decode")], {"d1": 1}, session="s", policy=pol)
+    nxt = choose([view("p0")], [view("d0", "decode", active=2), busy], session="s", policy=pol)
+    assert nxt.decode == "d0" and not nxt.reason.startswith("affinity_")
+    # and the session now sticks to its new replica
+    again = choose(
+        [view("p0")], [view("d0", "decode", active=3), view("d1", "decode")], session="s", policy=pol
+    )
+    assert again.decode == "d0"
+
+
+def test_affinity_can_be_disabled() -> None:
+    pol = PdservePolicy(PdservePolicyConfig(session_affinity=False))
+    choose([view("p0")], [view("d0", "decode"), view("d1", "decode")], {"d1": 1}, session="s", policy=pol)
+    assert (
+        choose(
+            [view("p0")], [view("d0", "decode"), view("d1", "decode", active=3)], session="s", policy=pol
+        ).decode
+        == "d0"
+    )
+
+
+def test_cost_weights_change_the_tradeoff() -> None:
+    # With transfer made very expensive, the decode replica holding the prefix wins despite its load.
+    heavy = PdservePolicy(PdservePolicyConfig(weights=CostWeights(transfer=10_000.0)))
+    decs = [view("d0", "decode", active=15), view("d1", "decode")]
+    assert choose([view("p0")], decs, {"d0": 200}, policy=heavy).decode == "d0"
+    assert choose([view("p0")], decs, {"d0": 200}).decode == "d1"
+
+
+def test_prefill_weight_trades_a_queue_against_a_miss() -> None:
+    # p0 holds all of a 64k prompt but has 6 s queued; p1 is idle and cold, and computing the prompt there
+    # takes ~5.4 s: the request's own latency says p1, a weight that charges the miss for the capacity it
+    # takes from later requests says p0.
+    n = 64 * 1024
+    pres = [queued(view("p0"), 6.0), view("p1")]
+    hit = {"p0": n // BS - 1}
+    neutral = PdservePolicy(PdservePolicyConfig(weights=CostWeights(prefill=1.0)))
+    assert choose(pres, [view("d0", "decode")], hit, n=n, policy=neutral).prefill == "p1"
+    heavy = PdservePolicy(PdservePolicyConfig(weights=CostWeights(prefill=3.0)))
+    assert choose(pres, [view("d0", "decode")], hit, n=n, policy=heavy).prefill == "p0"
+
+
+def test_ties_go_to_the_replica_with_the_least_recent_work() -> None:
+    # Idle cluster, cold prompts: every prefill replica costs the same. Taking the first in order would put
+    # them all on p0; the tie-break spreads them.
+    pol = PdservePolicy()
+    pres = [view(f"p{i}") for i in range(4)]
+    got = [choose(pres, [view("d0", "decode")], policy=pol).prefill for _ in range(8)]
+    assert sorted(got) == ["p0", "p0", "p1", "p1", "p2", "p2", "p3", "p3"]
+    # A bigger job weighs more: after one 32k-token prompt on p0, three 4k prompts all go elsewhere.
+    pol = PdservePolicy()
+    assert choose(pres, [view("d0", "decode")], n=32_768, policy=pol).prefill == "p0"
+    rest = {choose(pres, [view("d0", "decode")], policy=pol).prefill for _ in range(3)}
+    assert rest == {"p1", "p2", "p3"}
+
+
+def test_a_cost_difference_beyond_the_tolerance_beats_recent_work() -> None:
+    pol = PdservePolicy(PdservePolicyConfig(tie_tolerance_s=0.05, tie_tolerance_rel=0.0))
+    pres = [view("p0"), view("p1")]
+    assert choose(pres, [view("d0", "decode")], policy=pol).prefill == "p0"  # p0 now has recent work
+    # p1 has 0.04 s queued: within tolerance, so p1 (less recent work) wins; at 0.06 s, p0 wins.
+    assert choose([view("p0"), queued(view("p1"), 0.04)], [view("d0", "decode")], policy=pol).prefill == "p1"
+    pol = PdservePolicy(PdservePolicyConfig(tie_tolerance_s=0.05, tie_tolerance_rel=0.0))
+    choose(pres, [view("d0", "decode")], policy=pol)
+    assert choose([view("p0"), queued(view("p1"), 0.06)], [view("d0", "decode")], policy=pol).prefill == "p0"
+
+
+def test_relative_tolerance_scales_with_the_jobs_own_prefill_time() -> None:
+    # A 128k-token cold prompt takes ~19 s: a 1 s queue difference is a tie at 10%, not at 1%.
+    n = 128 * 1024
+    for rel, expected in [(0.1, "p1"), (0.01, "p0")]:
+        pol = PdservePolicy(PdservePolicyConfig(tie_tolerance_rel=rel))
+        choose([view("p0"), view("p1")], [view("d0", "decode")], n=n, policy=pol)  # p0 gets recent work
+        pres = [view("p0"), queued(view("p1"), 1.0)]
+        assert choose(pres, [view("d0", "decode")], n=n, policy=pol).prefill == expected, rel
+
+
+def test_the_pair_search_finds_the_cost_formulas_optimum() -> None:
+    # O(|P| + |D|) search == brute force over every (P, D) pair and local prefill, with ties disabled.
+    rng = random.Random(7)
+    w = CostWeights()
+    cfg = PdservePolicyConfig(tie_tolerance_s=0.0, tie_tolerance_rel=0.0, session_affinity=False)
+    n = 8192
+    for _ in range(200):
+        pres = [
+            queued(view(f"p{i}", node=f"n{rng.randrange(3)}"), rng.uniform(0, 2))
+            for i in range(rng.randint(1, 5))
+        ]
+        decs = [
+            view(f"d{i}", "decode", active=rng.randrange(30), kv=rng.random(), node=f"n{rng.randrange(3)}")
+            for i in range(rng.randint(1, 5))
+        ]
+        blocks = {r.replica_id: rng.choice([0, 100, 300, 511, 512]) for r in (*pres, *decs)}
+        got = choose(pres, decs, blocks, n=n, policy=PdservePolicy(cfg))
+        c = {rid: min(b * BS, n - BS) for rid, b in blocks.items()}
+        options: list[tuple[float, str | None, str]] = []
+        for d in decs:
+            if n - c[d.replica_id] <= cfg.local_prefill_max_tokens:
+                options.append(
+                    (cost(w, n, 64, d, c[d.replica_id], d, c[d.replica_id]).total, None, d.replica_id)
+                )
+            else:
+                for p in pres:
+                    t = cost(w, n, 64, p, c[p.replica_id], d, c[d.replica_id]).total
+                    options.append((t, p.replica_id, d.replica_id))
+        best = min(o[0] for o in options)
+        assert got.cost == pytest.approx(best)
+        assert (got.prefill, got.decode) in {(o[1], o[2]) for o in options if o[0] == pytest.approx(best)}

@@ -1,0 +1,119 @@
+"""The router's block hash chain and the per-session hasher."""
+
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+from router.block_hash import SessionHasher, hash_blocks
+
+
+def _tokens(n: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(200_000) for _ in range(n)]
+
+
+def test_only_full_blocks_are_hashed() -> None:
+    assert len(hash_blocks(_tokens(63), 16)) == 3
+    assert len(hash_blocks(_tokens(64), 16)) == 4
+    assert hash_blocks(_tokens(15), 16) == []
+
+
+def test_chain_depends_on_whole_prefix() -> None:
+    a = _tokens(64)
+    b = list(a)
+    b[3] += 1  # differs in block 0 only
+    ha, hb = hash_blocks(a, 16), hash_blocks(b, 16)
+    assert all(x != y for x, y in zip(ha, hb, strict=True))
+
+
+def test_same_block_content_at_different_positions_differs() -> None:
+    block = _tokens(16)
+    h = hash_blocks(block + block, 16)
+    assert h[0] != h[1]
+
+
+def test_parent_continues_the_chain() -> None:
+    toks = _tokens(160)
+    full = hash_blocks(toks, 16)
+    assert hash_blocks(toks[64:], 16, parent=full[3]) == full[4:]
+
+
+def test_accepts_any_int_sequence() -> None:
+    toks = _tokens(48)
+    assert hash_blocks(tuple(toks), 16) == hash_blocks(toks, 16) == hash_blocks(iter(toks), 16)  # type: ignore[arg-type]
+
+
+def test_independent_of_pythonhashseed() -> None:
+    code = "from router.block_hash import hash_blocks; print(hash_blocks(list(range(1000, 1064)), 16))"
+    outs = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        for seed in ("0", "1", "12345")
+    }
+    assert len(outs) == 1
+
+
+def test_rejects_bad_block_size() -> None:
+    with pytest.raises(ValueError):
+        hash_blocks([1, 2], 0)
+
+
+def test_session_next_turn_hashes_only_new_blocks() -> None:
+    h = SessionHasher(block_size=16)
+    turn1 = _tokens(1000)
+    turn2 = turn1 + _tokens(300, seed=1)
+    assert h.hash("s", turn1) == hash_blocks(turn1, 16)
+    before = h.hashed_blocks
+    assert h.hash("s", turn2) == hash_blocks(turn2, 16)
+    assert h.hashed_blocks - before == len(turn2) // 16 - len(turn1) // 16
+    assert h.reused_blocks == len(turn1) // 16
+
+
+@pytest.mark.parametrize("edit_at", [0, 17, 500, 999])
+def test_session_edited_history_rehashes_from_the_first_changed_block(edit_at: int) -> None:
+    h = SessionHasher(block_size=16)
+    turn1 = _tokens(1000)
+    h.hash("s", turn1)
+    turn2 = list(turn1) + _tokens(100, seed=2)
+    turn2[edit_at] += 1
+    reused_before = h.reused_blocks
+    assert h.hash("s", turn2) == hash_blocks(turn2, 16)
+    assert h.reused_blocks - reused_before == edit_at // 16
+
+
+def test_session_shorter_prompt_and_no_session() -> None:
+    h = SessionHasher(block_size=16)
+    t = _tokens(500)
+    h.hash("s", t)
+    assert h.hash("s", t[:100]) == hash_blocks(t[:100], 16)
+    assert h.hash(None, t) == hash_blocks(t, 16)
+    assert len(h) == 1
+
+
+def test_returned_list_does_not_alias_the_cache() -> None:
+    h = SessionHasher(block_size=16)
+    t = _tokens(160)
+    h.hash("s", t).clear()
+    assert h.hash("s", t) == hash_blocks(t, 16)
+
+
+def test_session_cache_is_bounded_by_sessions_and_tokens() -> None:
+    h = SessionHasher(block_size=16, max_sessions=2, max_tokens=10_000)
+    for s in ("a", "b", "c"):
+        h.hash(s, _tokens(160))
+    assert len(h) == 2
+    h2 = SessionHasher(block_size=16, max_sessions=100, max_tokens=500)
+    h2.hash("a", _tokens(320))
+    h2.hash("b", _tokens(320))  # evicts "a": 640 tokens > 500
+    assert len(h2) == 1
+    reused = h2.reused_blocks
+    h2.hash("a", _tokens(320))
+    assert h2.reused_blocks == reused  # "a" was forgotten

@@ -1,0 +1,180 @@
+"""The request path through the two legs, with in-process stand-ins for the Serve deployment handles (the
+real handles and engines are exercised in tests/e2e)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from ray.exceptions import ActorDiedError
+
+from engine.messages import EngineRequest, PrefillResult, Sampling, TokenBatch
+from router.orchestrator import Completion, NoReplicaError, Orchestrator, Route
+
+PROMPT = list(range(100, 200))
+KV = {"remote_engine_id": "p", "remote_block_ids": [[1, 2, 3]], "do_remote_prefill": True}
+
+
+class _Call:
+    def __init__(self, result: Any) -> None:
+        self._result = result
+        self.cancelled = False
+
+    def __await__(self) -> Any:
+        async def get() -> Any:
+            if isinstance(self._result, BaseException):
+                raise self._result
+            return self._result
+
+        return get().__await__()
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class _Stream:
+    def __init__(self, batches: list[TokenBatch | BaseException]) -> None:
+        self._batches = batches
+        self.cancelled = False
+
+    def __aiter__(self) -> AsyncIterator[TokenBatch]:
+        return self._gen()
+
+    async def _gen(self) -> AsyncIterator[TokenBatch]:
+        for b in self._batches:
+            await asyncio.sleep(0)
+            if isinstance(b, BaseException):
+                raise b
+            yield b
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class FakePrefill:
+    def __init__(self, results: list[Any]) -> None:
+        self.results = results
+        self.calls: list[tuple[EngineRequest, str | None]] = []
+        self.prefill = self
+
+    def remote(self, req: EngineRequest, replica_hint: str | None = None) -> _Call:
+        self.calls.append((req, replica_hint))
+        return _Call(self.results.pop(0))
+
+
+class FakeDecode:
+    def __init__(self, streams: list[list[TokenBatch | BaseException]]) -> None:
+        self.streams = streams
+        self.calls: list[tuple[EngineRequest, str | None]] = []
+        self.generate = self
+        self.opened: list[_Stream] = []
+
+    def options(self, stream: bool) -> FakeDecode:
+        assert stream
+        return self
+
+    def remote(self, req: EngineRequest, replica_hint: str | None = None) -> _Stream:
+        self.calls.append((req, replica_hint))
+        s = _Stream(self.streams.pop(0))
+        self.opened.append(s)
+        return s
+
+
+def prefill_result(kv: dict[str, Any] | None) -> PrefillResult:
+    return PrefillResult(
+        request_id="r-p",
+        replica_id="P1",
+        node_id="n1",
+        kv_transfer_params=kv,
+        num_prompt_tokens=len(PROMPT),
+        num_cached_tokens=0,
+        prefill_ms=5.0,
+    )
+
+
+def tokens(*ids: int, final: bool = False) -> TokenBatch:
+    if not final:
+        return TokenBatch(token_ids=list(ids), text="x" * len(ids))
+    return TokenBatch(
+        token_ids=list(ids),
+        text="x" * len(ids),
+        finish_reason="length",
+        num_prompt_tokens=len(PROMPT),
+        num_cached_tokens=len(PROMPT) - 4,
+        replica_id="D1",
+        node_id="n1",
+    )
+
+
+async def run(orch: Orchestrator, route: Route) -> tuple[list[TokenBatch], Completion]:
+    batches, completions = [], []
+    async for event in orch.run("r", PROMPT, Sampling(max_tokens=3), route):
+        (batches if isinstance(event, TokenBatch) else completions).append(event)
+    assert len(completions) == 1, "exactly one terminal summary"
+    return batches, completions[0]
+
+
+async def test_disaggregated_request_hands_the_prefill_kv_params_to_decode() -> None:
+    prefill = FakePrefill([prefill_result(KV)])
+    decode = FakeDecode([[tokens(1), tokens(2, 3, final=True)]])
+    orch = Orchestrator(prefill, decode, block_size=32)
+    batches, done = await run(orch, Route(prefill=True, prefill_replica="P1", decode_replica="D1"))
+    assert [t for b in batches for t in b.token_ids] == [1, 2, 3]
+    assert prefill.calls[0][1] == "P1" and decode.calls[0][1] == "D1"  # the policy's choice travels as a hint
+    assert decode.calls[0][0].kv_transfer_params == KV
+    assert done.path == "disaggregated" and done.prefill_replica == "P1" and done.decode_replica == "D1"
+    assert done.kv_transferred_tokens == 3 * 32 and done.completion_tokens == 3
+
+
+async def test_prefill_without_kv_params_makes_decode_prefill_in_full_and_says_so() -> None:
+    decode = FakeDecode([[tokens(7, final=True)]])
+    orch = Orchestrator(FakePrefill([prefill_result(None)]), decode, block_size=32)
+    _, done = await run(orch, Route(prefill=True))
+    assert decode.calls[0][0].kv_transfer_params is None
+    assert done.path == "decode_full_prefill"
+    assert "no KV transfer parameters" in done.note
+    assert done.kv_transferred_tokens == 0
+
+
+async def test_local_prefill_skips_the_prefill_leg() -> None:
+    prefill = FakePrefill([])
+    orch = Orchestrator(prefill, FakeDecode([[tokens(1, final=True)]]), block_size=32)
+    _, done = await run(orch, Route(prefill=False, decode_replica="D1"))
+    assert prefill.calls == [] and done.path == "local_prefill" and done.prefill_replica == ""
+
+
+async def test_a_lost_prefill_replica_is_retried_once_without_the_hint() -> None:
+    prefill = FakePrefill([ActorDiedError(), prefill_result(KV)])
+    orch = Orchestrator(prefill, FakeDecode([[tokens(1, final=True)]]), block_size=32)
+    _, done = await run(orch, Route(prefill=True, prefill_replica="P1"))
+    assert [hint for _, hint in prefill.calls] == ["P1", None]
+    assert done.path == "disaggregated"
+
+
+async def test_a_decode_replica_lost_before_the_first_token_restarts_the_leg_with_local_prefill() -> None:
+    decode = FakeDecode([[ActorDiedError()], [tokens(1, 2, final=True)]])
+    orch = Orchestrator(FakePrefill([prefill_result(KV)]), decode, block_size=32)
+    _, done = await run(orch, Route(prefill=True, decode_replica="D1"))
+    # The KV handed to the lost replica is gone with it: the retry recomputes the prompt.
+    assert [(req.kv_transfer_params, hint) for req, hint in decode.calls] == [(KV, "D1"), (None, None)]
+    assert done.completion_tokens == 2
+
+
+async def test_a_decode_replica_lost_mid_stream_fails_the_request_instead_of_duplicating_tokens() -> None:
+    decode = FakeDecode([[tokens(1), ActorDiedError()]])
+    orch = Orchestrator(FakePrefill([prefill_result(KV)]), decode, block_size=32)
+    with pytest.raises(NoReplicaError):
+        await run(orch, Route(prefill=True))
+    assert len(decode.calls) == 1
+
+
+async def test_a_consumer_that_stops_early_cancels_the_decode_stream() -> None:
+    decode = FakeDecode([[tokens(1), tokens(2), tokens(3, final=True)]])
+    orch = Orchestrator(FakePrefill([prefill_result(KV)]), decode, block_size=32)
+    events = orch.run("r", PROMPT, Sampling(max_tokens=3), Route(prefill=True))
+    first = await anext(events)
+    assert isinstance(first, TokenBatch)
+    await events.aclose()  # the client went away
+    assert decode.opened[0].cancelled
