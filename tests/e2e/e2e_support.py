@@ -67,8 +67,8 @@ class RunningCluster:
                 self.log.append(line)
                 mirror.write(line)
                 mirror.flush()
-            if line.startswith("pdserve is up"):
-                self._ready.set()
+                if line.startswith("pdserve is up"):
+                    self._ready.set()
 
     def wait_ready(self) -> None:
         deadline = time.monotonic() + UP_TIMEOUT_S
