@@ -109,6 +109,8 @@ class EngineHost:
         # process hosts exactly one engine, so process environment is the engine's configuration.
         env = {
             "PDSERVE_VLLM_PLUGIN": "1",
+            # Lets the plugin tell this process from the engine processes it spawns (engine/vllm_plugin.py).
+            "PDSERVE_ENGINE_HOST_PID": str(os.getpid()),
             "VLLM_NIXL_SIDE_CHANNEL_HOST": self.node_ip,
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.nixl_port),
         }

@@ -16,12 +16,28 @@ from typing import Any
 def register() -> None:
     if os.environ.get("PDSERVE_VLLM_PLUGIN") != "1":
         return
+    host_pid = os.environ.get("PDSERVE_ENGINE_HOST_PID")
+    if host_pid is not None and int(host_pid) != os.getpid():
+        _die_with_parent()
     # vLLM sets this itself unless NIXL was imported first; we import NIXL below, so set it here.
     os.environ.setdefault("UCX_RCACHE_MAX_UNRELEASED", "1024")
     if os.environ.get("PDSERVE_NIXL_PROG_THREAD", "0") != "1":
         _disable_nixl_progress_thread()
     if os.environ.get("PDSERVE_CPU_AMX_INIT") == "1":
         _request_amx_permission()
+
+
+def _die_with_parent() -> None:
+    """vLLM's engine core and workers are child processes of the Serve replica (the engine core's own
+    children, in turn). If Ray kills a replica hard (node drain, `ray stop --force`, OOM), nothing runs
+    vLLM's shutdown; the kernel's parent-death signal makes sure no engine process outlives its parent."""
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    if libc.prctl(pr_set_pdeathsig, signal.SIGKILL) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
 
 
 def _disable_nixl_progress_thread() -> None:
