@@ -18,6 +18,7 @@ import logging
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -167,13 +168,16 @@ def _up(args: argparse.Namespace) -> int:
         from router.app import RouterProcess
 
         router = RouterProcess(topo, model_dir, APP_NAME)
-        log.info("cluster ready in %.1f s", time.monotonic() - started)
-        print(
-            f"pdserve is up: gRPC {topo.server.grpc_host}:{topo.server.grpc_port}, dashboard {dashboard}, "
-            f"metrics http://{topo.server.metrics_host}:{topo.server.metrics_port}/metrics",
-            flush=True,
-        )
-        asyncio.run(_serve_router(router))
+        grpc_address = f"{topo.server.grpc_host}:{topo.server.grpc_port}"
+        metrics_url = f"http://{topo.server.metrics_host}:{topo.server.metrics_port}/metrics"
+
+        def announce() -> None:
+            # Only once the gRPC endpoint accepts calls: scripts wait for this line.
+            log.info("cluster ready in %.1f s", time.monotonic() - started)
+            ready = f"pdserve is up: gRPC {grpc_address}, dashboard {dashboard}, metrics {metrics_url}"
+            print(ready, flush=True)
+
+        asyncio.run(_serve_router(router, announce))
         return 0
     except BootstrapError as exc:
         raise _UserError(str(exc)) from exc
@@ -183,12 +187,12 @@ def _up(args: argparse.Namespace) -> int:
         _teardown(started_ray, started_wall)
 
 
-async def _serve_router(router: Any) -> None:
+async def _serve_router(router: Any, on_ready: Callable[[], None]) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await router.serve_until(stop)
+    await router.serve_until(stop, on_ready=on_ready)
 
 
 def _interrupt(signum: int, frame: Any) -> None:

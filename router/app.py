@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from ray import serve
@@ -82,7 +83,7 @@ class RouterProcess:
         infos: list[ReplicaInfo] = await self._registry.snapshot.remote()
         return [_replica_status(i) for i in infos]
 
-    async def serve_until(self, stop: asyncio.Event) -> None:
+    async def serve_until(self, stop: asyncio.Event, on_ready: Callable[[], None] = lambda: None) -> None:
         cfg = self.topo.server
         await self.view.refresh()
         view_task = asyncio.create_task(self.view.run(), name="cluster-view")
@@ -91,6 +92,7 @@ class RouterProcess:
             self.service, host=cfg.grpc_host, port=cfg.grpc_port, tls=self._tls, auth_token=self._token
         )
         log.info("gRPC endpoint on %s:%d", cfg.grpc_host, cfg.grpc_port)
+        on_ready()
         try:
             await stop.wait()
         finally:
