@@ -199,6 +199,11 @@ def test_list_models_health_and_metrics(client: PdserveClient, cluster: Any) -> 
     (model,) = client.list_models()
     assert (model.id, model.max_model_len, model.block_size) == ("tiny-llama", 2048, BLOCK)
     assert client.health() == "SERVING"
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    with grpc.insecure_channel(cluster.target) as channel:
+        services = set(ProtoReflectionDescriptorDatabase(channel).get_services())
+    assert {"pdserve.v1.Pdserve", "grpc.health.v1.Health"} <= services
     body = urllib.request.urlopen(cluster.metrics_url, timeout=10).read().decode()
     assert 'pdserve_requests_total{code="OK"}' in body
     assert 'pdserve_requests_total{code="INVALID_ARGUMENT"}' in body
