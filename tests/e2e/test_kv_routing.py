@@ -81,7 +81,7 @@ def test_next_turn_goes_to_the_decode_replica_holding_the_session_and_skips_pref
     assert abs(second.usage.predicted_cached_tokens - second.usage.cached_tokens) <= BLOCK
 
 
-def test_a_new_session_goes_where_it_is_cheapest_and_keeps_its_replica(client: PdserveClient) -> None:
+def test_every_turn_of_a_session_stays_on_one_decode_replica(client: PdserveClient) -> None:
     served = []
     for turns in (1, 2, 3):
         done = client.generate_text(
