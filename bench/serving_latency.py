@@ -40,7 +40,10 @@ def _topology(base: Path, out: Path, *, disaggregated: bool) -> dict[str, Any]:
     topo["server"]["grpc_port"] = _free_port()
     topo["server"]["metrics_port"] = _free_port()
     topo["ray"]["dashboard_port"] = _free_port()
-    if not disaggregated:
+    if disaggregated:
+        # Every request through prefill -> NIXL -> decode (no local-prefill shortcut): this measures the path.
+        topo["router"]["local_prefill_max_tokens"] = 0
+    else:
         topo["pools"]["prefill"]["replicas"] = 0
     out.write_text(yaml.safe_dump(topo))
     return topo
