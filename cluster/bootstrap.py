@@ -7,8 +7,10 @@ path as `serve deploy`), so that `pdserve apply` later updates it in place.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,6 +18,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 from cluster.ray_auth import use_ray_token_auth
 from cluster.topology import Topology
@@ -89,12 +93,40 @@ def start_local_head(topo: Topology) -> tuple[str, str]:
     use_ray_token_auth()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     if proc.returncode != 0:
+        stop_local_ray(f"127.0.0.1:{port}")  # whatever part of it did start
         raise BootstrapError(f"`ray start --head` failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
     return f"127.0.0.1:{port}", f"http://{cfg.dashboard_host}:{cfg.dashboard_port}"
 
 
-def stop_local_ray() -> None:
-    subprocess.run([_ray_bin(), "stop", "--force"], capture_output=True, text=True, timeout=120)
+def cluster_processes(gcs_address: str) -> list[psutil.Process]:
+    """The processes of the Ray cluster whose GCS listens on `gcs_address`: its daemons (each names the GCS
+    port on its command line) and everything they started (workers, replica actors, vLLM engines)."""
+    port = gcs_address.rsplit(":", 1)[1]
+    own = re.compile(rf"(--gcs_server_port=|--gcs-address=\S+:|--address=\S+:){port}(\s|$)")
+    daemons = []
+    for p in psutil.process_iter(["cmdline"]):
+        if own.search(" ".join(p.info["cmdline"] or [])):
+            daemons.append(p)
+    found: dict[int, psutil.Process] = {}
+    for daemon in daemons:
+        with contextlib.suppress(psutil.NoSuchProcess):  # exited while we looked: nothing to stop
+            for p in [daemon, *daemon.children(recursive=True)]:
+                found[p.pid] = p
+    return list(found.values())
+
+
+def stop_local_ray(gcs_address: str, timeout_s: float = 30.0) -> None:
+    """Stop the Ray cluster `pdserve up` started, and only it (`ray stop` would stop every Ray cluster on
+    the machine): SIGTERM its processes, then SIGKILL what is left after `timeout_s`."""
+    processes = cluster_processes(gcs_address)
+    for p in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.terminate()
+    _, alive = psutil.wait_procs(processes, timeout=timeout_s)
+    for p in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    psutil.wait_procs(alive, timeout=10)
 
 
 def remove_leaked_shm(since: float, shm_dir: Path = Path("/dev/shm")) -> list[str]:

@@ -3,7 +3,8 @@
 pdserve up [-f deploy/local.yaml]      start Ray (local head), deploy the Serve app, serve gRPC (foreground)
 pdserve down                           stop what `pdserve up` started
 pdserve generate "prompt" [...]        one request through the gRPC endpoint
-pdserve status [--json]                replicas, roles, nodes
+pdserve apply -f FILE [--dry-run]      show the diff and change the running cluster to match FILE
+pdserve status [--json]                replicas: role, state, node, GPUs, placement group, load
 pdserve validate -f FILE               check a topology file
 pdserve export -f FILE                 the Serve config (or a KubeRay RayService) a topology compiles to
 pdserve replay ...                     replay real traces through the routing policies (virtual time)
@@ -49,8 +50,11 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
     gen.add_argument("--json", action="store_true", help="print the final message as JSON")
 
-    status = sub.add_parser("status", help="replicas, roles, nodes")
-    status.add_argument("--target", default=None)
+    apply = sub.add_parser("apply", help="change the running cluster to match a topology file")
+    apply.add_argument("-f", "--file", type=Path, required=True, help="topology YAML")
+    apply.add_argument("--dry-run", action="store_true", help="validate and show the diff only")
+
+    status = sub.add_parser("status", help="replicas: role, state, node, GPUs, placement group, load")
     status.add_argument("--json", action="store_true")
 
     val = sub.add_parser("validate", help="check a topology file")
@@ -74,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         "up": _up,
         "down": _down,
         "generate": _generate,
+        "apply": _apply,
         "status": _status,
         "validate": _validate,
         "export": _export,
@@ -142,6 +147,7 @@ def _up(args: argparse.Namespace) -> int:
     started_ray = topo.ray.address is None
     # Until the router's loop installs its own handlers, SIGTERM (`pdserve down`) interrupts like Ctrl-C.
     signal.signal(signal.SIGTERM, _interrupt)
+    address: str | None = None
     try:
         if started_ray:
             address, dashboard = start_local_head(topo)
@@ -184,7 +190,7 @@ def _up(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         return 130
     finally:
-        _teardown(started_ray, started_wall)
+        _teardown(address if started_ray else None, started_wall)
 
 
 async def _serve_router(router: Any, on_ready: Callable[[], None]) -> None:
@@ -199,7 +205,8 @@ def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
-def _teardown(started_ray: bool, started_wall: float) -> None:
+def _teardown(own_ray_address: str | None, started_wall: float) -> None:
+    """Undo `pdserve up`: the application, then the Ray cluster if we started it, then leaked memory."""
     import ray
 
     from cluster.bootstrap import APP_NAME, RunState, remove_leaked_shm, stop_local_ray
@@ -215,8 +222,8 @@ def _teardown(started_ray: bool, started_wall: float) -> None:
             serve.shutdown()
             ray.shutdown()
     finally:
-        if started_ray:
-            stop_local_ray()
+        if own_ray_address is not None:
+            stop_local_ray(own_ray_address)
         leaked = remove_leaked_shm(started_wall)
         if leaked:
             log.info("removed %d shared-memory segments left by engine processes", len(leaked))
@@ -233,7 +240,7 @@ def _down(args: argparse.Namespace) -> int:
     if not signal_up_process(state):
         # `pdserve up` died without cleaning up: do its teardown here.
         if state.started_ray:
-            stop_local_ray()
+            stop_local_ray(state.ray_address)
         remove_leaked_shm(state.started_at)
         RunState.clear()
     print("pdserve down: stopped")
@@ -288,26 +295,37 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _status(args: argparse.Namespace) -> int:
-    from router.client import PdserveClient, PdserveError
+def _running_cluster() -> Any:
+    from cluster.bootstrap import RunState
 
-    client = PdserveClient(_target(args.target))
+    state = RunState.load()
+    if state is None:
+        raise _UserError("no cluster is up (start one with `pdserve up`)")
+    return state
+
+
+def _apply(args: argparse.Namespace) -> int:
+    from cluster.apply import ApplyError, apply_topology
+    from cluster.bootstrap import APP_NAME
+
+    topo = _load(args.file)
+    state = _running_cluster()
     try:
-        replicas = list(client.cluster_status())
-    except PdserveError as exc:
-        raise _UserError(f"{exc.code.name}: {exc.message}") from exc
-    finally:
-        client.close()
-    rows = [
-        {"replica": r.replica_id, "role": r.role, "state": r.state, "node": r.node_id[:12]}
-        for r in sorted(replicas, key=lambda r: (r.role, r.replica_id))
-    ]
-    if args.json:
-        print(json.dumps(rows, indent=2))
-    else:
-        print(f"{'REPLICA':<12} {'ROLE':<8} {'STATE':<10} NODE")
-        for row in rows:
-            print(f"{row['replica']:<12} {row['role']:<8} {row['state']:<10} {row['node']}")
+        asyncio.run(
+            apply_topology(topo, dashboard_url=state.dashboard_url, app_name=APP_NAME, dry_run=args.dry_run)
+        )
+    except ApplyError as exc:
+        raise _UserError(str(exc)) from exc
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from cluster.bootstrap import APP_NAME
+    from cluster.status import collect_status, fetch_registry, render_json, render_table
+
+    state = _running_cluster()
+    status = collect_status(state.dashboard_url, APP_NAME, fetch_registry(state.ray_address, APP_NAME))
+    print(render_json(status) if args.json else render_table(status))
     return 0
 
 

@@ -9,6 +9,7 @@ state that cannot be rebuilt: if Serve restarts it, the next heartbeats repopula
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from ray.serve.handle import DeploymentHandle
 
@@ -23,6 +24,11 @@ class Registry:
     # application; the router reaches them by name.
     def __init__(self, *engine_pools: DeploymentHandle) -> None:
         self._entries: dict[str, tuple[ReplicaInfo, float]] = {}
+
+    def reconfigure(self, config: dict[str, Any]) -> None:
+        """Serve calls this with the deployment's user_config: the deployed topology. The registry only
+        carries it, so that Serve's deployed config holds it for `pdserve apply` to read back
+        (cluster/serve_config.py); a deployment with a user_config must have this method."""
 
     def publish(self, info: ReplicaInfo) -> None:
         self._entries[info.replica_id] = (info, time.monotonic())

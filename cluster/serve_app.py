@@ -4,6 +4,11 @@ Deployments: `prefill` (omitted when the topology has no prefill replicas), `dec
 application's ingress, which binds the engine pools so that Serve deploys them and keeps the replica
 registry. Placement, replica counts and scaling come from the Serve config that cluster/serve_config.py
 compiles from the same topology; this module only says what each replica runs.
+
+The application's `args` are only the roles it has (`{"roles": ["decode", "prefill"]}`): Serve gives every
+deployment of a config-deployed application one version, a hash of `args`, so whatever `args` carried would
+restart every pool when it changed. Each pool's EngineSpec reaches its replicas through the deployment's
+own `ray_actor_options` instead (engine/spec.py), which Serve versions per deployment.
 """
 
 from __future__ import annotations
@@ -14,8 +19,9 @@ from ray import serve
 from ray.serve import Application
 
 from cluster.registry import Registry
-from cluster.topology import Pool, Topology, parse_topology
+from cluster.topology import Pool, Topology
 from decode.server import DecodeServer
+from engine.replica import EngineReplica
 from engine.spec import EngineSpec
 from prefill.server import PrefillServer
 
@@ -41,6 +47,7 @@ def engine_spec(topo: Topology, role: str) -> EngineSpec:
     args.update(engine.extra)
     return EngineSpec(
         role="prefill" if role == "prefill" else "decode",
+        engine=topo.model.engine,
         model_source=topo.model.source,
         served_name=topo.model.name,
         block_size=topo.model.block_size,
@@ -58,10 +65,13 @@ def engine_spec(topo: Topology, role: str) -> EngineSpec:
     )
 
 
+def app_args(topo: Topology) -> dict[str, Any]:
+    """The application's `args`: what changes only with a restart of the whole application."""
+    return {"roles": [role for role, pool in topo.pools.items() if pool.replicas > 0]}
+
+
 def build_app(args: dict[str, Any]) -> Application:
-    topo = parse_topology(args["topology"], source="serve application args")
-    pools = [serve.deployment(name="decode")(DecodeServer).bind(engine_spec(topo, "decode"))]
-    if topo.pools.prefill.replicas > 0:
-        pools.append(serve.deployment(name="prefill")(PrefillServer).bind(engine_spec(topo, "prefill")))
+    servers: dict[str, type[EngineReplica]] = {"prefill": PrefillServer, "decode": DecodeServer}
+    pools = [serve.deployment(name=role)(servers[role]).bind() for role in args["roles"]]
     registry = serve.deployment(name="registry", ray_actor_options={"num_cpus": 0})(Registry)
     return registry.bind(*pools)

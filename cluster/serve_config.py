@@ -2,9 +2,18 @@
 
 The Serve config is what `serve deploy` and `ServeSubmissionClient.deploy_applications` take: Serve's
 controller then owns reconciliation, restarts, rolling updates and drain; pdserve only says what should run.
-Engine args reach the replicas through the application's `args` (the whole topology, which
-`cluster.serve_app:build_app` binds into each deployment): a change there gives the deployment a new version,
-which Serve rolls out replica by replica.
+
+How a change reaches the replicas (Serve 2.60, config-deployed applications):
+- The application's `args` version EVERY deployment (`get_app_code_version` hashes them), so they hold only
+  the roles (cluster/serve_app.py); changing them restarts the whole application.
+- Each pool's EngineSpec travels in its deployment's `ray_actor_options.runtime_env.env_vars`: a heavyweight
+  option versioned per deployment, so changed engine args roll that pool, and only that pool.
+- `num_replicas`, timeouts and the rollout settings are lightweight: scaling starts or drains replicas
+  without touching the others.
+- Rolling: `max_surge_percent` lets Serve start a replacement before stopping an old replica, and
+  `rolling_update_percentage` keeps the batch at one replica, so a pool never drops below its size.
+- The whole topology rides along as the registry deployment's `user_config` (lightweight: reconfigured in
+  place), which is where `pdserve apply` reads the running topology back from.
 """
 
 from __future__ import annotations
@@ -15,20 +24,27 @@ from typing import Any
 import msgspec
 import yaml
 
+from cluster.serve_app import app_args, engine_spec
 from cluster.topology import NodeGroup, Pool, Topology, TopologyError
+from engine.spec import EngineSpec, spec_env
 from router.serve_request_router import IMPORT_PATH as HINT_ROUTER_IMPORT_PATH
 
 IMPORT_PATH = "cluster.serve_app:build_app"
 RAY_VERSION = "2.60.0"
 DEFAULT_IMAGE = "pdserve:0.1.0"  # built from this repository: Ray 2.60, vLLM, NIXL and pdserve installed
 HEAD_GROUP = "head"  # the inventory's node group of this name is the Ray head
+REGISTRY = "registry"  # the application's ingress deployment (cluster/registry.py)
+TOPOLOGY_KEY = "topology"  # the registry's user_config key holding the deployed topology
 
 
 def compile_serve_config(topo: Topology, *, app_name: str = "pdserve") -> dict[str, Any]:
     """The topology's Serve deploy config (ServeDeploySchema): one application, a deployment per pool."""
     deployments = [
-        _deployment(role, pool) for role, pool in topo.pools.items() if pool.replicas > 0
+        _deployment(role, pool, engine_spec(topo, role))
+        for role, pool in topo.pools.items()
+        if pool.replicas > 0
     ]  # a prefill pool of 0 replicas is left out: decode then prefills everything itself
+    deployments.append({"name": REGISTRY, "user_config": {TOPOLOGY_KEY: msgspec.to_builtins(topo)}})
     return {
         # pdserve serves its own gRPC endpoint from a standalone process holding deployment handles, so
         # Serve's HTTP/gRPC proxies would only take ports and CPU.
@@ -38,14 +54,22 @@ def compile_serve_config(topo: Topology, *, app_name: str = "pdserve") -> dict[s
                 "name": app_name,
                 "route_prefix": None,  # no HTTP ingress
                 "import_path": IMPORT_PATH,
-                "args": {"topology": msgspec.to_builtins(topo)},
+                "args": app_args(topo),
                 "deployments": deployments,
             }
         ],
     }
 
 
-def _deployment(role: str, pool: Pool) -> dict[str, Any]:
+def running_topology(app_config: dict[str, Any]) -> Topology:
+    """The topology a deployed application config (Serve's `deployed_app_config`) was compiled from."""
+    registry = next(d for d in app_config.get("deployments") or [] if d.get("name") == REGISTRY)
+    return msgspec.convert(registry["user_config"][TOPOLOGY_KEY], Topology)
+
+
+def _deployment(role: str, pool: Pool, spec: EngineSpec) -> dict[str, Any]:
+    options = _actor_options(pool)
+    options["runtime_env"] = {"env_vars": spec_env(spec)}
     deployment: dict[str, Any] = {
         "name": role,
         "num_replicas": pool.replicas,
@@ -53,7 +77,8 @@ def _deployment(role: str, pool: Pool) -> dict[str, Any]:
         "graceful_shutdown_timeout_s": pool.graceful_shutdown_timeout_s,
         "health_check_period_s": pool.health_check_period_s,
         "health_check_timeout_s": pool.health_check_timeout_s,
-        "ray_actor_options": _actor_options(pool),
+        **_rollout(pool),
+        "ray_actor_options": options,
         "placement_group_bundles": pool.bundles(),
         "placement_group_strategy": _placement_strategy(pool),
         # Calls carry the router's replica choice; this Serve request router honours it.
@@ -63,6 +88,18 @@ def _deployment(role: str, pool: Pool) -> dict[str, Any]:
         # One selector applies to every bundle of the replica (Serve accepts one entry or one per bundle).
         deployment["placement_group_bundle_label_selector"] = [dict(pool.node_labels)]
     return deployment
+
+
+def _rollout(pool: Pool) -> dict[str, Any]:
+    """Serve's rolling-update settings for `pool.rollout_surge_replicas` extra replicas, one at a time.
+
+    Serve starts ceil(max_surge_percent x replicas / 100) replacements before stopping old replicas, and
+    stops max(int(rolling_update_percentage x replicas), 1) at a time. Serve takes whole percents, so very
+    large pools (> 100 replicas) may surge by a few more than asked.
+    """
+    surge = pool.rollout_surge_replicas
+    surge_percent = min(100, max(1, 100 * surge // pool.replicas)) if surge else 0
+    return {"max_surge_percent": surge_percent, "rolling_update_percentage": min(1.0, 1 / pool.replicas)}
 
 
 def _actor_options(pool: Pool) -> dict[str, Any]:

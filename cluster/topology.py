@@ -90,6 +90,9 @@ class Model(_Config, frozen=True, kw_only=True):
     dtype: Dtype = "float32"  # float32 on CPU avoids the bf16 AMX pitfall; GPUs use bfloat16 or auto
     max_model_len: PositiveInt = 2048
     trust_remote_code: bool = False
+    # "double": engine/double.py, a TEST DOUBLE that streams deterministic tokens without vLLM (fast cluster
+    # tests of scaling, rolling and failures); never for serving or for tests that claim real serving.
+    engine: Literal["vllm", "double"] = "vllm"
 
 
 class CpuEngine(_Config, frozen=True, kw_only=True):
@@ -131,6 +134,10 @@ class Pool(_Config, frozen=True, kw_only=True):
     engine: EngineArgs = msgspec.field(default_factory=EngineArgs)
     max_ongoing_requests: PositiveInt = 64
     graceful_shutdown_timeout_s: NonNegativeFloat = 60.0  # in-flight requests finish within this on drain
+    # Extra replicas a rolling update may start before it stops an old one, so that a pool never has fewer
+    # ready replicas than asked (a 1-replica pool keeps serving). 0 stops an old replica first: for clusters
+    # with no spare room for one more replica (the rollout would otherwise wait for capacity).
+    rollout_surge_replicas: NonNegativeInt = 1
     health_check_period_s: PositiveFloat = 10.0
     health_check_timeout_s: PositiveFloat = 30.0
 

@@ -10,18 +10,22 @@ import ray
 from ray import serve
 
 from cluster.registry import HEARTBEAT_S
+from engine.double import DoubleEngineHost
 from engine.host import EngineHost
 from engine.messages import EngineStats, ReplicaInfo
-from engine.spec import EngineSpec
+from engine.spec import spec_from_env
 
 log = logging.getLogger(__name__)
 
 
 class EngineReplica:
-    # Serve awaits async constructors; the replica is routed to only once this returns.
-    async def __init__(self, spec: EngineSpec) -> None:  # type: ignore[misc]
+    # Serve awaits async constructors; the replica is routed to only once this returns. The spec comes from
+    # the replica's environment, not an init argument: see engine/spec.py for why.
+    async def __init__(self) -> None:  # type: ignore[misc]
+        spec = spec_from_env()
         context = serve.get_replica_context()
-        self.host = EngineHost(
+        host_class = DoubleEngineHost if spec.engine == "double" else EngineHost
+        self.host: EngineHost | DoubleEngineHost = host_class(
             spec,
             replica_id=context.replica_id.unique_id,
             node_id=ray.get_runtime_context().get_node_id(),

@@ -1,8 +1,15 @@
 """What an engine replica needs to start: compiled from the topology by cluster/serve_app.py and handed
-to each prefill/decode replica as its init argument (so a change rolls the replicas)."""
+to each prefill/decode replica in its environment (`PDSERVE_ENGINE_SPEC`).
+
+Why the environment and not an init argument: Serve versions every deployment of a config-deployed
+application by a hash of the application's `args`, so anything bound from `args` restarts every pool when
+any of it changes. A deployment's `ray_actor_options` (its `runtime_env.env_vars` included) is versioned
+per deployment: a changed spec rolls that pool's replicas, and only that pool's (see cluster/serve_config.py).
+"""
 
 from __future__ import annotations
 
+import os
 from typing import Any, Literal
 
 import msgspec
@@ -12,6 +19,8 @@ from engine.messages import Role
 
 class EngineSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     role: Role
+    # "vllm": engine/host.py. "double": engine/double.py, a test double without vLLM (cluster tests only).
+    engine: Literal["vllm", "double"] = "vllm"
     # "builtin:tiny-llama" or a model directory readable on every node.
     model_source: str
     served_name: str
@@ -35,3 +44,19 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     # Token streaming from decode: flush a batch at this many tokens or after this long.
     stream_batch_tokens: int = 16
     stream_batch_ms: float = 20.0
+
+
+ENGINE_SPEC_ENV = "PDSERVE_ENGINE_SPEC"
+
+
+def spec_env(spec: EngineSpec) -> dict[str, str]:
+    """The replica environment that carries `spec` (JSON)."""
+    return {ENGINE_SPEC_ENV: msgspec.json.encode(spec).decode()}
+
+
+def spec_from_env() -> EngineSpec:
+    """The spec this replica process was started with (set by Ray from the deployment's runtime_env)."""
+    text = os.environ.get(ENGINE_SPEC_ENV)
+    if text is None:
+        raise RuntimeError(f"{ENGINE_SPEC_ENV} is not set: this process was not started as an engine replica")
+    return msgspec.json.decode(text, type=EngineSpec)

@@ -41,3 +41,40 @@ def test_run_state_round_trips(tmp_path: Path, monkeypatch) -> None:
     assert RunState.load() == state
     RunState.clear()
     assert RunState.load() is None
+
+
+def test_stopping_a_cluster_leaves_other_ray_clusters_on_the_machine_alone(tmp_path: Path) -> None:
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from cluster.bootstrap import cluster_processes, stop_local_ray
+
+    ray_bin = str(Path(sys.executable).with_name("ray"))
+    env = {**os.environ, "RAY_AUTH_MODE": "token"}
+
+    def start_head() -> str:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            dashboard_port = s.getsockname()[1]
+        subprocess.run(
+            [ray_bin, "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1", "--num-cpus=0",
+             "--include-dashboard=false", f"--dashboard-port={dashboard_port}", "--disable-usage-stats"],
+            check=True, capture_output=True, env=env, timeout=120,
+        )  # fmt: skip
+        return f"127.0.0.1:{port}"
+
+    ours, theirs = start_head(), start_head()
+    try:
+        assert cluster_processes(ours) and cluster_processes(theirs)
+        assert not {p.pid for p in cluster_processes(ours)} & {p.pid for p in cluster_processes(theirs)}
+        stop_local_ray(ours)
+        assert cluster_processes(ours) == []
+        assert all(p.is_running() for p in cluster_processes(theirs))
+    finally:
+        stop_local_ray(ours)
+        stop_local_ray(theirs)

@@ -93,6 +93,10 @@ def dashboard_url() -> Iterator[str]:
         yield f"http://127.0.0.1:{port}"
     finally:
         # No serve.shutdown(): it waits on replicas that never started; stopping the cluster ends them all.
+        # Serve caches its controller client; drop it, or the next module's cluster gets this dead one.
+        from ray.serve import context
+
+        context._disconnect()
         ray.shutdown()
         cluster.shutdown()
 
@@ -110,7 +114,20 @@ def deploy(topo: Topology, app_name: str) -> None:
 
     (app,) = compile_serve_config(topo, app_name=app_name)["applications"]
     engine = serve.deployment()(FakeEngine)
-    bound = {d["name"]: engine.options(**d) for d in app["deployments"]}
+    # The placement options only (rollout settings and the registry exist only on the config path).
+    placement_keys = (
+        "name",
+        "num_replicas",
+        "ray_actor_options",
+        "placement_group_bundles",
+        "placement_group_strategy",
+        "placement_group_bundle_label_selector",
+    )
+    bound = {
+        d["name"]: engine.options(**{k: d[k] for k in placement_keys if k in d})
+        for d in app["deployments"]
+        if d["name"] in ("prefill", "decode")
+    }
     ingress = bound["decode"].bind(bound["prefill"].bind()) if "prefill" in bound else bound["decode"].bind()
     serve._run(ingress, name=app_name, route_prefix=None, _blocking=False)
 

@@ -9,8 +9,10 @@ import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
-from cluster.serve_config import compile_serve_config, export_rayservice, render_rayservice
+from cluster.serve_app import engine_spec
+from cluster.serve_config import compile_serve_config, export_rayservice, render_rayservice, running_topology
 from cluster.topology import Topology, TopologyError, parse_topology
+from engine.spec import ENGINE_SPEC_ENV, EngineSpec
 
 H200 = """
 model: {block_size: 64, dtype: bfloat16}
@@ -55,14 +57,51 @@ def test_compiled_config_is_a_valid_serve_deploy_config(text: str) -> None:
     assert app.name == "pdserve"
     assert app.route_prefix is None
     assert app.import_path == "cluster.serve_app:build_app"
-    assert [d.name for d in app.deployments] == ["prefill", "decode"]
+    assert [d.name for d in app.deployments] == ["prefill", "decode", "registry"]
 
 
-def test_application_args_carry_the_whole_topology() -> None:
+def test_args_hold_only_the_roles_and_the_registry_carries_the_whole_topology() -> None:
+    # Serve versions every deployment by a hash of the args: anything more in them would restart all pools.
     topo = parse_topology(H200)
     (app,) = compile_serve_config(topo, app_name="agents")["applications"]
     assert app["name"] == "agents"
-    assert msgspec.convert(app["args"]["topology"], Topology) == topo
+    assert app["args"] == {"roles": ["prefill", "decode"]}
+    assert running_topology(app) == topo
+
+
+def test_each_pool_gets_its_engine_spec_in_its_own_actor_options() -> None:
+    topo = parse_topology(H200)
+    decode = deployments(compile_serve_config(topo))["decode"]
+    env = decode["ray_actor_options"]["runtime_env"]["env_vars"]
+    assert msgspec.json.decode(env[ENGINE_SPEC_ENV], type=EngineSpec) == engine_spec(topo, "decode")
+
+
+def test_a_decode_engine_args_change_touches_only_the_decode_deployment() -> None:
+    topo = parse_topology(H200)
+    raw = msgspec.to_builtins(topo)
+    raw["pools"]["decode"]["engine"]["max_num_seqs"] = 8
+    before, after = compile_serve_config(topo), compile_serve_config(parse_topology(raw))
+    assert before["applications"][0]["args"] == after["applications"][0]["args"]
+    assert deployments(before)["prefill"] == deployments(after)["prefill"]
+    assert (
+        deployments(before)["decode"]["ray_actor_options"]
+        != deployments(after)["decode"]["ray_actor_options"]
+    )
+
+
+@pytest.mark.parametrize(("replicas", "surge_percent"), [(1, 100), (2, 50), (3, 33), (7, 14), (300, 1)])
+def test_rollouts_start_one_replacement_before_stopping_one_old_replica(
+    replicas: int, surge_percent: int
+) -> None:
+    topo = parse_topology(f"pools: {{decode: {{replicas: {replicas}, cpu: {{threads_bind: '1'}}}}}}")
+    decode = deployments(compile_serve_config(topo))["decode"]
+    assert decode["max_surge_percent"] == surge_percent
+    # Serve's arithmetic: ceil(percent x replicas / 100) extra replicas,
+    # max(int(fraction x replicas), 1) replaced at a time.
+    assert max(int(decode["rolling_update_percentage"] * replicas), 1) == 1
+    assert -(-surge_percent * replicas // 100) == (1 if replicas <= 100 else 3)
+    no_surge = parse_topology("pools: {decode: {rollout_surge_replicas: 0, cpu: {threads_bind: '1'}}}")
+    assert deployments(compile_serve_config(no_surge))["decode"]["max_surge_percent"] == 0
 
 
 def test_pool_settings_reach_the_deployment() -> None:
@@ -76,7 +115,7 @@ def test_pool_settings_reach_the_deployment() -> None:
 
 def test_prefill_is_left_out_when_it_has_no_replicas() -> None:
     config = compile_serve_config(parse_topology("pools: {prefill: {replicas: 0}}"))
-    assert list(deployments(config)) == ["decode"]
+    assert list(deployments(config)) == ["decode", "registry"]
     ServeDeploySchema.model_validate(config)
 
 

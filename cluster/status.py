@@ -1,0 +1,192 @@
+"""`pdserve status [--json]`: every engine replica with its role, state, node, GPUs, placement group and load.
+
+It joins three views, keyed by the names the Ray dashboard shows, so a row can be found in the dashboard's
+Serve and placement-group pages:
+- Serve's application details (REST `GET /api/serve/applications/`): replica id, state, node, and the
+  replica actor's name `SERVE_REPLICA::<app>#<deployment>#<replica id>`;
+- Ray's state API (placement groups, named like the replica actor): placement group id, state, GPUs;
+- pdserve's replica registry: readiness, draining, and load (running / waiting requests, KV cache usage).
+A replica the registry still lists but Serve no longer has is shown as GONE until its entry expires.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import msgspec
+
+from engine.messages import ReplicaInfo
+
+ENGINE_DEPLOYMENTS = ("prefill", "decode")
+
+
+class ReplicaRow(msgspec.Struct, frozen=True, kw_only=True):
+    replica_id: str  # Serve's replica id (the dashboard's Serve view)
+    role: str  # the deployment: prefill | decode
+    state: str  # Serve's replica state (STARTING, RUNNING, STOPPING, ...) or GONE
+    registry: str  # ready | starting | draining | missing (not yet / no longer published)
+    node_id: str | None
+    node_ip: str | None
+    actor_name: str | None  # SERVE_REPLICA::<app>#<deployment>#<replica id>
+    placement_group_id: str | None
+    placement_group_state: str | None  # CREATED | PENDING | RESCHEDULING
+    gpus: float
+    bundles: int
+    running: int | None
+    waiting: int | None
+    kv_cache_usage: float | None
+
+
+class ClusterStatus(msgspec.Struct, frozen=True, kw_only=True):
+    app_name: str
+    app_status: str | None
+    app_message: str
+    deployments: dict[str, str]  # deployment -> Serve's status (and its message when not HEALTHY)
+    replicas: list[ReplicaRow]
+
+
+def collect_status(
+    dashboard_url: str, app_name: str, registry: list[ReplicaInfo], *, timeout_s: float = 10.0
+) -> ClusterStatus:
+    """Blocking (HTTP to the dashboard): call from a thread in async code."""
+    from ray.dashboard.modules.serve.sdk import ServeSubmissionClient
+    from ray.util.state import list_placement_groups
+
+    details = ServeSubmissionClient(dashboard_url).get_serve_details()
+    groups = list_placement_groups(address=dashboard_url, detail=True, limit=10_000, timeout=int(timeout_s))
+    by_name = {g.name: g for g in groups if g.state != "REMOVED"}
+    return build_status(app_name, details, by_name, registry)
+
+
+def build_status(
+    app_name: str, details: dict[str, Any], groups: dict[str, Any], registry: list[ReplicaInfo]
+) -> ClusterStatus:
+    """Join Serve's details, placement groups by name, and registry entries (no I/O)."""
+    app = (details.get("applications") or {}).get(app_name) or {}
+    published = {info.replica_id: info for info in registry}
+    rows: list[ReplicaRow] = []
+    deployments: dict[str, str] = {}
+    for name, dep in (app.get("deployments") or {}).items():
+        if name not in ENGINE_DEPLOYMENTS:
+            continue
+        status = str(dep.get("status"))
+        deployments[name] = status if status == "HEALTHY" else f"{status}: {dep.get('message') or ''}".strip()
+        for replica in dep.get("replicas") or []:
+            rid = str(replica.get("replica_id"))
+            actor_name = replica.get("actor_name") or f"SERVE_REPLICA::{app_name}#{name}#{rid}"
+            rows.append(
+                _row(
+                    name,
+                    rid,
+                    str(replica.get("state")),
+                    replica,
+                    groups.get(actor_name),
+                    published.pop(rid, None),
+                )
+            )
+    for info in published.values():  # published, but Serve no longer has it: dead, entry not yet expired
+        rows.append(_row(info.role, info.replica_id, "GONE", {"node_id": info.node_id}, None, info))
+    rows.sort(key=lambda r: (r.role, r.state != "RUNNING", r.replica_id))
+    return ClusterStatus(
+        app_name=app_name,
+        app_status=app.get("status"),
+        app_message=app.get("message") or "",
+        deployments=deployments,
+        replicas=rows,
+    )
+
+
+def _row(
+    role: str, replica_id: str, state: str, serve: dict[str, Any], group: Any, info: ReplicaInfo | None
+) -> ReplicaRow:
+    bundles = list(getattr(group, "bundles", None) or [])
+    stats = info.stats if info is not None else None
+    return ReplicaRow(
+        replica_id=replica_id,
+        role=role,
+        state=state,
+        registry=_registry_state(info),
+        node_id=serve.get("node_id"),
+        node_ip=serve.get("node_ip"),
+        actor_name=serve.get("actor_name"),
+        placement_group_id=getattr(group, "placement_group_id", None),
+        placement_group_state=getattr(group, "state", None),
+        gpus=sum(float((b.get("unit_resources") or {}).get("GPU", 0.0)) for b in bundles),
+        bundles=len(bundles),
+        running=stats.running if stats else None,
+        waiting=stats.waiting if stats else None,
+        kv_cache_usage=stats.kv_cache_usage if stats else None,
+    )
+
+
+def _registry_state(info: ReplicaInfo | None) -> str:
+    if info is None:
+        return "missing"
+    if info.draining:
+        return "draining"
+    return "ready" if info.ready else "starting"
+
+
+def fetch_registry(ray_address: str, app_name: str, timeout_s: float = 10.0) -> list[ReplicaInfo]:
+    """The registry's entries, from a process not yet connected to Ray (the CLI)."""
+    import ray
+    from ray import serve
+
+    if not ray.is_initialized():
+        ray.init(address=ray_address, namespace="pdserve", log_to_driver=False)
+    handle = serve.get_deployment_handle("registry", app_name)
+    infos: list[ReplicaInfo] = handle.snapshot.remote().result(timeout_s=timeout_s)
+    return infos
+
+
+def render_json(status: ClusterStatus) -> str:
+    return json.dumps(msgspec.to_builtins(status), indent=2)
+
+
+_COLUMNS = (
+    "REPLICA",
+    "ROLE",
+    "STATE",
+    "REGISTRY",
+    "NODE",
+    "GPUS",
+    "PLACEMENT GROUP",
+    "ACTOR",
+    "RUN/WAIT",
+    "KV",
+)
+
+
+def render_table(status: ClusterStatus) -> str:
+    """A fixed-width table; ids as the dashboard shows them (node ids shortened to 12 characters)."""
+    head = f"application {status.app_name}: {status.app_status or 'not deployed'}"
+    if status.app_message and status.app_status != "RUNNING":
+        head += f" ({status.app_message})"
+    lines = [head]
+    lines.extend(f"  {name}: {state}" for name, state in status.deployments.items())
+    table = [_COLUMNS] + [_cells(r) for r in status.replicas]
+    widths = [max(len(row[i]) for row in table) for i in range(len(_COLUMNS))]
+    lines.extend(
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in table
+    )
+    return "\n".join(lines)
+
+
+def _cells(r: ReplicaRow) -> tuple[str, ...]:
+    load = "-" if r.running is None else f"{r.running}/{r.waiting}"
+    kv = "-" if r.kv_cache_usage is None else f"{r.kv_cache_usage:.0%}"
+    group = "-" if r.placement_group_id is None else f"{r.placement_group_id} ({r.placement_group_state})"
+    node = "-" if r.node_id is None else f"{r.node_id[:12]} {r.node_ip or ''}".strip()
+    return (
+        r.replica_id,
+        r.role,
+        r.state,
+        r.registry,
+        node,
+        f"{r.gpus:g}",
+        group,
+        r.actor_name or "-",
+        load,
+        kv,
+    )
