@@ -68,6 +68,7 @@ def run_case(
     iters: int,
     turn_tokens: int,
     rng: np.random.Generator,
+    retokenized: bool = False,
 ) -> dict[str, list[float]]:
     tracker = LoadTracker()
     n_pre = n_replicas // 2
@@ -81,6 +82,10 @@ def run_case(
         shared = doc[: min(len(doc), prompt_tokens) // 2]
         prompt = shared + rng.integers(0, 150_000, prompt_tokens - len(shared)).tolist()
         turn2 = prompt + rng.integers(0, 150_000, turn_tokens).tolist()
+        if retokenized:
+            # A live router re-tokenizes every turn: the next prompt's ints are new objects, so the session
+            # hasher's comparison with the previous prompt cannot stop at object identity.
+            turn2 = np.array(turn2).tolist()
         sid = f"s{it}"
         for toks, case in ((prompt, "first"), (turn2, "next")):
             c0 = time.thread_time()
@@ -115,6 +120,11 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--turn-tokens", type=int, default=256)
     ap.add_argument(
+        "--retokenized",
+        action="store_true",
+        help="next turn's token ids are new int objects (as from a tokenizer), not the previous turn's",
+    )
+    ap.add_argument(
         "--iters", type=int, default=300, help="per case for 8k prompts (scaled down for longer ones)"
     )
     args = ap.parse_args()
@@ -137,7 +147,9 @@ def main() -> None:
             gc.collect()
             gc.disable()  # a GC pause triggered by the benchmark's own garbage is not the router's cost
             try:
-                res = run_case(n, pt, index, docs, args.block_size, iters, args.turn_tokens, rng)
+                res = run_case(
+                    n, pt, index, docs, args.block_size, iters, args.turn_tokens, rng, args.retokenized
+                )
             finally:
                 gc.enable()
 

@@ -97,17 +97,22 @@ class SessionHasher:
         reuse = 0 if entry is None else self._reusable_blocks(entry, token_ids, n_full)
         if reuse:
             assert entry is not None
-            hashes = entry.hashes[:reuse]
-            hashes += hash_blocks(token_ids[reuse * bs : n_full], bs, parent=hashes[-1])
+            new = hash_blocks(token_ids[reuse * bs : n_full], bs, parent=entry.hashes[reuse - 1])
+            if reuse == len(entry.hashes):
+                own = entry.hashes  # the usual next turn: extend the session's own list in place
+                own += new
+            else:
+                own = entry.hashes[:reuse] + new
         else:
-            hashes = hash_blocks(token_ids, bs)
+            own = hash_blocks(token_ids, bs)
         self.reused_blocks += reuse
-        self.hashed_blocks += len(hashes) - reuse
-        if session_id is not None:
-            # The session keeps its own copy of the hashes (the caller may mutate what it gets back), and the
-            # tokens by reference (a copy of a long prompt would cost as much as the comparison).
-            self._remember(session_id, token_ids, n_full, hashes.copy())
-        return hashes
+        self.hashed_blocks += len(own) - reuse
+        if session_id is None:
+            return own
+        # The session keeps its own list of the hashes (the caller may mutate what it gets back), and the
+        # tokens by reference (a copy of a long prompt would cost as much as the comparison).
+        self._remember(session_id, token_ids, n_full, own)
+        return own.copy()
 
     def forget(self, session_id: str) -> None:
         entry = self._sessions.pop(session_id, None)

@@ -28,6 +28,7 @@ indexed block in CPython (bench/routing_decision.py prints the measured figure).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from itertools import islice
 
 import msgspec
 
@@ -49,12 +50,33 @@ class KvIndexStats(msgspec.Struct, kw_only=True):
     clears: int = 0
 
 
-class _Replica:
-    __slots__ = ("bit", "engine_to_router", "extra_refs", "slot")
+class PrefixMemo:
+    """What one `matched_blocks_memo` lookup established, for resuming the walk on a later prompt that
+    extends the same prefix (a session's next turn).
 
-    def __init__(self, slot: int) -> None:
+    At removal clock `stamp`, replica `r` held the first `counts[r]` blocks of the looked-up prompt, and
+    `anchors[m]` is that prompt's hash of block m-1. Blocks are only lost through removals, each of which
+    advances the clock and stamps the replica, so while a replica's removal stamp is not newer than `stamp` it
+    still holds those blocks; a later prompt whose block m-1 has the same chained hash has the same first m
+    blocks (up to a 64-bit collision, the index's accepted risk)."""
+
+    __slots__ = ("anchors", "counts", "stamp")
+
+    def __init__(self, stamp: int, counts: dict[str, int], anchors: dict[int, int]) -> None:
+        self.stamp = stamp
+        self.counts = counts
+        self.anchors = anchors
+
+
+class _Replica:
+    __slots__ = ("bit", "engine_to_router", "extra_refs", "removed_at", "slot")
+
+    def __init__(self, slot: int, removed_at: int) -> None:
         self.slot = slot
         self.bit = 1 << slot
+        # Removal clock at this replica's latest block removal (or its creation: memos older than the
+        # replica, e.g. of a removed replica with the same id, are not trusted).
+        self.removed_at = removed_at
         self.engine_to_router: dict[int, int] = {}
         # router hash -> number of additional engine hashes of this replica naming it (rare; only counts > 1)
         self.extra_refs: dict[int, int] = {}
@@ -76,6 +98,8 @@ class KvIndex:
         self._replicas: dict[str, _Replica] = {}
         self._slot_ids: list[str | None] = []  # slot -> replica id
         self._bits: list[int] = []  # slot -> shared int object 1 << slot
+        # Advances at every block removal (and replica creation); see PrefixMemo.
+        self._removal_clock = 0
 
     # ---- replicas
     # -------------------------------------------------------------------------------------------
@@ -90,7 +114,8 @@ class KvIndex:
             slot = len(self._slot_ids)
             self._slot_ids.append(replica_id)
             self._bits.append(1 << slot)
-        self._replicas[replica_id] = _Replica(slot)
+        self._removal_clock += 1
+        self._replicas[replica_id] = _Replica(slot, self._removal_clock)
 
     def remove_replica(self, replica_id: str) -> None:
         """Forget a replica that left the cluster (its slot may be reused)."""
@@ -106,6 +131,8 @@ class KvIndex:
         if rep is None:
             return
         self.stats.clears += 1
+        self._removal_clock += 1
+        rep.removed_at = self._removal_clock
         keep = ~rep.bit
         holders = self._holders
         for r in set(rep.engine_to_router.values()):
@@ -216,6 +243,8 @@ class KvIndex:
             else:
                 del rep.extra_refs[r]
             return
+        self._removal_clock += 1
+        rep.removed_at = self._removal_clock
         m = self._holders.get(r, 0) & ~rep.bit
         if m:
             self._holders[r] = m
@@ -239,27 +268,72 @@ class KvIndex:
 
     def matched_blocks(self, block_hashes: Sequence[int], replica_ids: Iterable[str]) -> dict[str, int]:
         """Number of leading blocks of `block_hashes` each replica holds (0 for unknown replicas)."""
+        return self.matched_blocks_memo(block_hashes, replica_ids, None)[0]
+
+    def matched_blocks_memo(
+        self, block_hashes: Sequence[int], replica_ids: Iterable[str], memo: object | None
+    ) -> tuple[dict[str, int], PrefixMemo]:
+        """`matched_blocks`, resumed from `memo` (a `PrefixMemo` of an earlier lookup, e.g. the session's
+        previous turn; anything else is ignored), and the memo of this lookup.
+
+        The walk checks block i for the replicas that held every block before i. A replica the memo vouches
+        for (no removal since, same prefix) joins the walk at its memo count instead of at block 0, so a
+        session's next turn checks its new blocks, not its whole history. Same result as the full walk."""
         result: dict[str, int] = {}
-        alive = 0
-        for rid in replica_ids:
-            rep = self._replicas.get(rid)
-            result[rid] = 0
-            if rep is not None:
-                alive |= rep.bit
-        if not alive:
-            return result
-        get = self._holders.get
+        replicas = self._replicas
+        alive = 0  # replicas walked from block 0
+        joins: dict[int, int] = {}  # block position -> replicas known to hold every block before it
+        n = len(block_hashes)
+        if isinstance(memo, PrefixMemo):
+            counts, anchors, stamp = memo.counts, memo.anchors, memo.stamp
+            for rid in replica_ids:
+                result[rid] = 0
+                rep = replicas.get(rid)
+                if rep is None:
+                    continue
+                m = counts.get(rid, 0)
+                if m and m <= n and rep.removed_at <= stamp and block_hashes[m - 1] == anchors[m]:
+                    joins[m] = joins.get(m, 0) | rep.bit
+                else:
+                    alive |= rep.bit
+        else:
+            for rid in replica_ids:
+                result[rid] = 0
+                rep = replicas.get(rid)
+                if rep is not None:
+                    alive |= rep.bit
         i = 0
-        for h in block_hashes:
+        for join, mask in sorted(joins.items()):
+            if alive:
+                alive = self._walk(block_hashes, i, join, alive, result)
+            alive |= mask
+            i = join
+        if alive:
+            alive = self._walk(block_hashes, i, n, alive, result)
+            self._record(result, alive, n)
+        new_counts = {rid: c for rid, c in result.items() if c}
+        return result, PrefixMemo(
+            self._removal_clock, new_counts, {c: block_hashes[c - 1] for c in new_counts.values()}
+        )
+
+    def _walk(
+        self, block_hashes: Sequence[int], start: int, stop: int, alive: int, result: dict[str, int]
+    ) -> int:
+        """Check blocks start..stop-1 for the `alive` replicas (each holds every block before `start`);
+        records the count of each replica that lacks one and returns the replicas that hold them all."""
+        get = self._holders.get
+        i = start
+        # A segment after a join is short (a turn's new blocks): copy it rather than skip to it.
+        for h in block_hashes[start:stop] if start else islice(block_hashes, stop):
             m = get(h, 0) & alive
             if m != alive:
-                self._record(result, alive & ~m, i)
+                if i:  # counts start at 0: most replicas lack a prompt's first block
+                    self._record(result, alive & ~m, i)
                 alive = m
                 if not alive:
-                    return result
+                    return 0
             i += 1
-        self._record(result, alive, i)
-        return result
+        return alive
 
     def _record(self, result: dict[str, int], mask: int, count: int) -> None:
         slot_ids = self._slot_ids

@@ -35,6 +35,7 @@ class _ReplicaLoad:
         "queued_prefill_tokens",
         "ready",
         "role",
+        "view",
     )
 
     def __init__(self, role: Role, node_id: str | None) -> None:
@@ -48,6 +49,7 @@ class _ReplicaLoad:
         self.kv_usage = 0.0
         self.ready = True
         self.draining = False
+        self.view: ReplicaView | None = None  # built on demand, dropped at every change
 
 
 class _InFlight(msgspec.Struct):
@@ -64,6 +66,9 @@ class LoadTracker:
         self.timing = timing or ServiceTimeModel()
         self._replicas: dict[str, _ReplicaLoad] = {}
         self._inflight: dict[str, _InFlight] = {}
+        # views(role) results, reused until a replica of that role changes (the router reads views at every
+        # decision; most decisions change one or two replicas).
+        self._views: dict[Role, list[ReplicaView]] = {}
 
     # ---- membership and engine-reported state
     # ----------------------------------------------------------------
@@ -71,22 +76,32 @@ class LoadTracker:
     def add_replica(self, replica_id: str, role: Role, node_id: str | None = None) -> None:
         if replica_id not in self._replicas:
             self._replicas[replica_id] = _ReplicaLoad(role, node_id)
+            self._views.pop(role, None)
 
     def remove_replica(self, replica_id: str) -> None:
         """Forget a replica; in-flight requests that used it keep their entry until they finish."""
-        self._replicas.pop(replica_id, None)
+        rep = self._replicas.pop(replica_id, None)
+        if rep is not None:
+            self._views.pop(rep.role, None)
 
     def set_ready(self, replica_id: str, ready: bool) -> None:
-        self._replicas[replica_id].ready = ready
+        rep = self._replicas[replica_id]
+        rep.ready = ready
+        self._changed(rep)
 
     def set_draining(self, replica_id: str, draining: bool) -> None:
-        self._replicas[replica_id].draining = draining
+        rep = self._replicas[replica_id]
+        rep.draining = draining
+        self._changed(rep)
 
     def update_kv_usage(self, replica_id: str, kv_usage: float) -> None:
         """Engine statistics refresh (fraction of KV cache blocks in use)."""
         rep = self._replicas.get(replica_id)
         if rep is not None:
-            rep.kv_usage = min(max(kv_usage, 0.0), 1.0)
+            usage = min(max(kv_usage, 0.0), 1.0)
+            if usage != rep.kv_usage:
+                rep.kv_usage = usage
+                self._changed(rep)
 
     # ---- request lifecycle
     # ----------------------------------------------------------------------------------
@@ -104,10 +119,12 @@ class LoadTracker:
             rep.queued_prefill_tokens += n - cached
             rep.queued_prefill_requests += 1
             rep.queued_prefill_s += seconds
+            self._changed(rep)
         dec = self._replicas.get(d.decode)
         if dec is not None:
             dec.active_seqs += 1
             dec.active_context_tokens += n
+            self._changed(dec)
 
     def on_prefill_done(self, request_id: str) -> None:
         f = self._inflight.get(request_id)
@@ -120,6 +137,7 @@ class LoadTracker:
             rep.queued_prefill_requests -= 1
             # Float sums drift: an empty queue is exactly empty.
             rep.queued_prefill_s = rep.queued_prefill_s - f.prefill_s if rep.queued_prefill_requests else 0.0
+            self._changed(rep)
 
     def on_finish(self, request_id: str) -> None:
         self.on_prefill_done(request_id)
@@ -130,6 +148,7 @@ class LoadTracker:
         if dec is not None:
             dec.active_seqs -= 1
             dec.active_context_tokens -= f.context_tokens
+            self._changed(dec)
 
     def inflight(self) -> int:
         return len(self._inflight)
@@ -138,21 +157,35 @@ class LoadTracker:
     # ----------------------------------------------------------------------------------------------
 
     def views(self, role: Role) -> list[ReplicaView]:
-        """Every replica of `role`, including not-ready and draining ones (policies skip those)."""
-        return [
-            ReplicaView(
-                replica_id=rid,
-                role=r.role,
-                queued_prefill_tokens=r.queued_prefill_tokens,
-                queued_prefill_requests=r.queued_prefill_requests,
-                queued_prefill_s=r.queued_prefill_s,
-                active_seqs=r.active_seqs,
-                active_context_tokens=r.active_context_tokens,
-                kv_usage=r.kv_usage,
-                ready=r.ready,
-                draining=r.draining,
-                node_id=r.node_id,
-            )
-            for rid, r in self._replicas.items()
-            if r.role == role
-        ]
+        """Every replica of `role`, including not-ready and draining ones (policies skip those).
+
+        The list and its views are shared by the calls between two changes: read them, do not mutate them."""
+        views = self._views.get(role)
+        if views is None:
+            views = self._views[role] = [
+                self._view(rid, r) if r.view is None else r.view
+                for rid, r in self._replicas.items()
+                if r.role == role
+            ]
+        return views
+
+    def _changed(self, rep: _ReplicaLoad) -> None:
+        rep.view = None
+        self._views.pop(rep.role, None)
+
+    @staticmethod
+    def _view(replica_id: str, r: _ReplicaLoad) -> ReplicaView:
+        r.view = ReplicaView(
+            replica_id=replica_id,
+            role=r.role,
+            queued_prefill_tokens=r.queued_prefill_tokens,
+            queued_prefill_requests=r.queued_prefill_requests,
+            queued_prefill_s=r.queued_prefill_s,
+            active_seqs=r.active_seqs,
+            active_context_tokens=r.active_context_tokens,
+            kv_usage=r.kv_usage,
+            ready=r.ready,
+            draining=r.draining,
+            node_id=r.node_id,
+        )
+        return r.view

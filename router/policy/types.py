@@ -17,8 +17,9 @@ import msgspec
 Role = Literal["prefill", "decode"]
 
 
-class ReplicaView(msgspec.Struct, kw_only=True):
-    """One replica's load as the router sees it at decision time."""
+class ReplicaView(msgspec.Struct, kw_only=True, frozen=True):
+    """One replica's load as the router sees it at decision time (immutable: `LoadTracker` shares views
+    between decisions until the replica changes)."""
 
     replica_id: str
     role: Role
@@ -74,6 +75,17 @@ class Decision(msgspec.Struct, kw_only=True):
 class PrefixLookup(Protocol):
     def matched_blocks(self, block_hashes: Sequence[int], replica_ids: Iterable[str]) -> dict[str, int]:
         """Number of leading blocks of `block_hashes` each replica holds (0 when none or unknown)."""
+        ...
+
+
+class MemoPrefixLookup(PrefixLookup, Protocol):
+    """A `PrefixLookup` that can resume from what an earlier lookup established (`router.kv_index.KvIndex`):
+    a session's next turn then walks its new blocks, not its whole history. The memo is opaque to callers."""
+
+    def matched_blocks_memo(
+        self, block_hashes: Sequence[int], replica_ids: Iterable[str], memo: object | None
+    ) -> tuple[dict[str, int], object]:
+        """`matched_blocks`, resumed from `memo` (None: from scratch), and the memo of this lookup."""
         ...
 
 

@@ -113,6 +113,7 @@ def test_random_streams_match_reference(seed: int) -> None:
         for d in docs
         for _ in range(5)
     ]
+    memos: dict[int, object] = {}
     for _step in range(600):
         rid = rng.choice(replicas)
         eng = engines[rid]
@@ -134,9 +135,9 @@ def test_random_streams_match_reference(seed: int) -> None:
             events = list(eng.store(rng.choice(prompts), rng))
             held = events
             events = []
-            for ev in held:
-                index.apply(rid, ev)  # type: ignore[arg-type]
-                ref.apply(rid, ev)
+            for late in held:
+                index.apply(rid, late)  # type: ignore[arg-type]
+                ref.apply(rid, late)
         elif op < 0.95:  # unrecoverable gap: events lost, subscriber clears the replica
             eng.store(rng.choice(prompts), rng)
             ev2 = eng.evict(rng, 2)
@@ -151,11 +152,18 @@ def test_random_streams_match_reference(seed: int) -> None:
             events = []
         else:
             events = []
-        for ev in events:
-            index.apply(rid, ev)  # type: ignore[arg-type]
-            ref.apply(rid, ev)
-        probe = rng.choice(prompts)
+        for event in events:
+            index.apply(rid, event)  # type: ignore[arg-type]
+            ref.apply(rid, event)
+        k = rng.randrange(len(prompts))
+        probe = prompts[k]
         got = index.matched_blocks(hash_blocks(probe, BS), replicas)
+        # Resumed from the memo of an earlier lookup of a prompt from the same document (same prefix or not):
+        # the same answer.
+        resumed, memos[k // 5] = index.matched_blocks_memo(
+            hash_blocks(probe, BS), replicas, memos.get(k // 5)
+        )
+        assert resumed == got
         for r in replicas:
             assert got[r] == ref.matched(r, probe), (r, _step)
             assert got[r] <= _engine_truth(engines[r], probe)
@@ -270,3 +278,71 @@ def test_matched_blocks_reports_each_replicas_own_prefix() -> None:
         "c": 0,
         "zz": 0,
     }
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_resumed_lookup_of_growing_sessions_matches_full_walk(seed: int) -> None:
+    """Sessions whose every turn extends the previous prompt (sometimes rewritten), looked up with the
+    previous turn's memo while replicas store, evict, clear, and leave and rejoin: always the full walk's
+    answer."""
+    rng = random.Random(seed)
+    replicas = [f"r{i}" for i in range(4)]
+    engines = {r: FakeEngine(seed * 100 + i) for i, r in enumerate(replicas)}
+    index, ref = KvIndex(BS), Reference()
+    sessions: list[list[int]] = [[rng.randrange(20) for _ in range(rng.randrange(4, 20))] for _ in range(5)]
+    memos: list[object | None] = [None] * len(sessions)
+    for _step in range(500):
+        s = rng.randrange(len(sessions))
+        if rng.random() < 0.15:  # history rewritten (e.g. compaction): the memo's prefix no longer applies
+            sessions[s] = sessions[s][: rng.randrange(0, len(sessions[s]) + 1)]
+        sessions[s] = sessions[s] + [rng.randrange(20) for _ in range(rng.randrange(1, 9))]
+        prompt = sessions[s]
+        rid = rng.choice(replicas)
+        op = rng.random()
+        events: list[object] = []
+        if op < 0.6:
+            events = list(engines[rid].store(rng.choice(sessions), rng))
+        elif op < 0.85:
+            ev = engines[rid].evict(rng, rng.randint(1, 3))
+            events = [ev] if ev else []
+        elif op < 0.92:
+            engines[rid].cached.clear()
+            events = [AllBlocksCleared()]
+        elif op < 0.96:
+            index.remove_replica(rid)
+            ref.known.pop(rid, None)
+            engines[rid] = FakeEngine(rng.randrange(10**9))
+        for event in events:
+            index.apply(rid, event)  # type: ignore[arg-type]
+            ref.apply(rid, event)
+        hashes = hash_blocks(prompt, BS)
+        got, memos[s] = index.matched_blocks_memo(hashes, replicas, memos[s])
+        assert got == index.matched_blocks(hashes, replicas)
+        assert got == {r: ref.matched(r, prompt) for r in replicas}, _step
+
+
+def test_resumed_lookup_walks_only_the_new_blocks() -> None:
+    """With no removal since the memo, a replica holding the previous turn is not re-checked block by
+    block."""
+
+    class CountingDict(dict[int, int]):
+        gets = 0
+
+        def get(self, key: int, default: int = 0) -> int:  # type: ignore[override]
+            CountingDict.gets += 1
+            return super().get(key, default)
+
+    index = KvIndex(BS)
+    turn1 = list(range(100 * BS))
+    index.apply_stored("r0", list(range(100)), None, turn1)
+    index._holders = CountingDict(index._holders)
+    memo = index.matched_blocks_memo(hash_blocks(turn1, BS), ["r0", "r1"], None)[1]
+    turn2 = turn1 + list(range(5 * BS))
+    index.apply_stored("r0", list(range(100, 105)), 99, turn2[100 * BS :])
+    CountingDict.gets = 0
+    got, _ = index.matched_blocks_memo(hash_blocks(turn2, BS), ["r0", "r1"], memo)
+    assert got == {"r0": 105, "r1": 0}
+    assert CountingDict.gets <= 6  # r1 from block 0 (one check, shared), r0 from block 100 to the end
+    index.apply_removed("r0", [3])  # a removal on r0 since: its memo is no longer trusted
+    got, _ = index.matched_blocks_memo(hash_blocks(turn2, BS), ["r0", "r1"], memo)
+    assert got == {"r0": 3, "r1": 0}

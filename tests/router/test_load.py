@@ -110,3 +110,22 @@ def test_decode_context_tokens_count_active_prompts() -> None:
     assert _view(t, "decode", "d0").active_context_tokens == 4000
     t.on_finish("r1")
     assert _view(t, "decode", "d0").active_context_tokens == 3000
+
+
+def test_views_are_reused_until_a_replica_of_that_role_changes() -> None:
+    t = _tracker()
+    t.add_replica("p1", "prefill")
+    pre, dec = t.views("prefill"), t.views("decode")
+    assert t.views("prefill") is pre and t.views("decode") is dec  # nothing changed: no rebuild
+    t.on_dispatch(_req("r1", 1000), _dec("p0", "d0"))
+    pre2, dec2 = t.views("prefill"), t.views("decode")
+    assert pre2 is not pre and dec2 is not dec
+    assert [v.queued_prefill_tokens for v in pre2] == [1000, 0]
+    assert pre2[1] is pre[1]  # the unchanged replica keeps its view
+    t.update_kv_usage("d0", 0.5)
+    assert t.views("prefill") is pre2  # a decode replica's change leaves the prefill views alone
+    assert t.views("decode")[0].kv_usage == 0.5
+    t.set_ready("p1", False)
+    assert not t.views("prefill")[1].ready
+    t.add_replica("p2", "prefill")
+    assert [v.replica_id for v in t.views("prefill")] == ["p0", "p1", "p2"]

@@ -6,9 +6,11 @@ import msgspec
 import pytest
 from policy_helpers import BS, FixedLookup, request, view
 
+from router.block_hash import hash_blocks
+from router.kv_index import KvIndex
 from router.policy.cost import CostWeights, cost
 from router.policy.selector import PdservePolicy, PdservePolicyConfig
-from router.policy.types import NoReplicaError, ReplicaView
+from router.policy.types import NoReplicaError, ReplicaView, RouteRequest
 
 N = 4096  # prompt tokens (256 blocks)
 
@@ -186,10 +188,25 @@ def test_relative_tolerance_scales_with_the_jobs_own_prefill_time() -> None:
     # A 128k-token cold prompt takes ~19 s: a 1 s queue difference is a tie at 10%, not at 1%.
     n = 128 * 1024
     for rel, expected in [(0.1, "p1"), (0.01, "p0")]:
-        pol = PdservePolicy(PdservePolicyConfig(tie_tolerance_rel=rel))
+        pol = PdservePolicy(PdservePolicyConfig(tie_tolerance_rel=rel, balance_weight=0.0))
         choose([view("p0"), view("p1")], [view("d0", "decode")], n=n, policy=pol)  # p0 gets recent work
         pres = [view("p0"), queued(view("p1"), 1.0)]
         assert choose(pres, [view("d0", "decode")], n=n, policy=pol).prefill == expected, rel
+
+
+def test_balance_term_charges_recent_work_above_the_pool_mean() -> None:
+    # p0 got a 128k-token cold prompt (~19 s); now p0 holds 1k tokens of a 4k prompt, a hit worth ~0.12
+    # weighted s. Without the balance term the hit wins; with it, p0's ~9 s above the mean costs ~0.9 s.
+    pres = [view("p0"), view("p1")]
+    for weight, expected in [(0.0, "p0"), (0.1, "p1")]:
+        pol = PdservePolicy(PdservePolicyConfig(balance_weight=weight))
+        assert choose(pres, [view("d0", "decode")], n=128 * 1024, policy=pol).prefill == "p0"
+        assert choose(pres, [view("d0", "decode")], {"p0": 64}, policy=pol).prefill == expected, weight
+    # A session's big cached context (64k tokens, ~26 weighted s) outweighs the imbalance: the balance moves
+    # cheap work, not sessions whose move would recompute a long context.
+    pol = PdservePolicy(PdservePolicyConfig(balance_weight=0.1))
+    choose(pres, [view("d0", "decode")], n=128 * 1024, policy=pol)
+    assert choose(pres, [view("d0", "decode")], {"p0": 4000}, n=64_000, policy=pol).prefill == "p0"
 
 
 def test_the_pair_search_finds_the_cost_formulas_optimum() -> None:
@@ -223,3 +240,46 @@ def test_the_pair_search_finds_the_cost_formulas_optimum() -> None:
         best = min(o[0] for o in options)
         assert got.cost == pytest.approx(best)
         assert (got.prefill, got.decode) in {(o[1], o[2]) for o in options if o[0] == pytest.approx(best)}
+
+
+def test_resumed_prefix_lookup_gives_the_same_decisions_as_full_lookups() -> None:
+    """Over sessions' growing turns, with replicas storing and evicting blocks in between, the policy resuming
+    each session's lookup from its previous turn (KvIndex.matched_blocks_memo) decides exactly as one that
+    walks every prompt from its first block."""
+
+    class FullWalk:
+        def __init__(self, index: KvIndex) -> None:
+            self.index = index
+
+        def matched_blocks(self, block_hashes, replica_ids):  # type: ignore[no-untyped-def]
+            return self.index.matched_blocks(block_hashes, replica_ids)
+
+    rng = random.Random(3)
+    index = KvIndex(BS)
+    pres = [view(f"p{i}") for i in range(3)]
+    decs = [view(f"d{i}", "decode") for i in range(3)]
+    resumed, full = PdservePolicy(), PdservePolicy()
+    prompts: dict[str, list[int]] = {f"s{i}": [] for i in range(4)}
+    engine_hash = 0
+    for turn in range(120):
+        sid = rng.choice(list(prompts))
+        prompts[sid] = prompts[sid] + [rng.randrange(1000) for _ in range(rng.randrange(1, 6) * BS)]
+        tokens = prompts[sid]
+        hashes = hash_blocks(tokens, BS)
+        req = RouteRequest(
+            request_id=f"q{turn}",
+            session_id=sid,
+            num_prompt_tokens=len(tokens),
+            block_hashes=hashes,
+            block_size=BS,
+            max_tokens=64,
+        )
+        a = resumed.choose(req, pres, decs, index)
+        assert a == full.choose(req, pres, decs, FullWalk(index))
+        # The chosen replicas now hold the prompt; now and then another replica evicts some of its blocks.
+        for rid in {a.prefill or a.decode, a.decode}:
+            index.apply_stored(rid, list(range(engine_hash, engine_hash + len(hashes))), None, tokens)
+            engine_hash += len(hashes)
+        if rng.random() < 0.3:
+            victim = rng.choice([*pres, *decs]).replica_id
+            index.apply_removed(victim, rng.sample(range(engine_hash), 20))
