@@ -190,6 +190,15 @@ def _describe_unready(app: Any) -> str:
     return "; ".join(parts) or f"application status {app.status}: {app.message}"
 
 
+def process_alive(pid: int) -> bool:
+    """Running, as opposed to gone or exited-but-not-yet-reaped (a zombie: `pdserve up` started by a script
+    that has not waited for it yet)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def signal_up_process(state: RunState, timeout_s: float = 120.0) -> bool:
     """Ask a running `pdserve up` to shut down (SIGTERM) and wait for it; False if it was not running."""
     try:
@@ -198,9 +207,7 @@ def signal_up_process(state: RunState, timeout_s: float = 120.0) -> bool:
         return False
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        try:
-            os.kill(state.pid, 0)
-        except ProcessLookupError:
+        if not process_alive(state.pid):
             return True
         time.sleep(0.5)
     raise BootstrapError(f"pdserve up (pid {state.pid}) did not stop within {timeout_s:.0f} s")

@@ -130,6 +130,7 @@ def _up(args: argparse.Namespace) -> int:
         BootstrapError,
         RunState,
         deploy,
+        process_alive,
         start_local_head,
         use_ray_token_auth,
         wait_until_running,
@@ -139,7 +140,7 @@ def _up(args: argparse.Namespace) -> int:
 
     topo = _load(args.file)
     existing = RunState.load()
-    if existing is not None and _alive(existing.pid):
+    if existing is not None and process_alive(existing.pid):
         raise _UserError(f"a cluster is already up (pid {existing.pid}); run `pdserve down` first")
     started = time.monotonic()
     started_wall = time.time()
@@ -333,13 +334,3 @@ def _pid() -> int:
     import os
 
     return os.getpid()
-
-
-def _alive(pid: int) -> bool:
-    import os
-
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True

@@ -1,6 +1,7 @@
 """Cleanup after a cluster: only the shared-memory segments our engines leaked are removed."""
 
 import mmap
+import os
 import time
 from pathlib import Path
 
@@ -78,3 +79,19 @@ def test_stopping_a_cluster_leaves_other_ray_clusters_on_the_machine_alone(tmp_p
     finally:
         stop_local_ray(ours)
         stop_local_ray(theirs)
+
+
+def test_an_exited_but_unreaped_process_counts_as_stopped() -> None:
+    import subprocess
+    import sys
+
+    from cluster.bootstrap import process_alive
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 10
+    while process_alive(child.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not process_alive(child.pid)  # a zombie until we wait for it
+    child.wait()
+    assert not process_alive(child.pid)
+    assert process_alive(os.getpid())
