@@ -232,13 +232,23 @@ def _teardown(own_ray_address: str | None, started_wall: float) -> None:
 
 
 def _down(args: argparse.Namespace) -> int:
-    from cluster.bootstrap import RunState, remove_leaked_shm, signal_up_process, stop_local_ray
+    from cluster.bootstrap import (
+        BootstrapError,
+        RunState,
+        remove_leaked_shm,
+        signal_up_process,
+        stop_local_ray,
+    )
 
     state = RunState.load()
     if state is None:
         print("pdserve down: no cluster is up")
         return 0
-    if not signal_up_process(state):
+    try:
+        stopped = signal_up_process(state)
+    except BootstrapError as exc:
+        raise _UserError(str(exc)) from exc
+    if not stopped:
         # `pdserve up` died without cleaning up: do its teardown here.
         if state.started_ray:
             stop_local_ray(state.ray_address)
