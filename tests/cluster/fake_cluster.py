@@ -11,10 +11,11 @@ real; only vLLM is not.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +24,7 @@ import msgspec
 import ray
 from ray.cluster_utils import Cluster
 
-from cluster.bootstrap import deploy
+from cluster.bootstrap import deploy, wait_until_running
 from cluster.serve_config import compile_serve_config
 from cluster.topology import Topology, parse_topology
 from engine.model_source import resolve_model_dir
@@ -275,3 +276,29 @@ def serve_replicas(
     app = (details.get("applications") or {}).get(APP) or {}
     dep = (app.get("deployments") or {}).get(deployment) or {}
     return [r for r in dep.get("replicas") or [] if r.get("state") in states]
+
+
+@dataclass
+class Env:
+    """A running fake cluster with pdserve deployed on engine doubles, and the real router in front."""
+
+    cluster: FakeCluster
+    router: Router
+    topo: Topology  # what runs now; tests that change it put it back
+
+
+@contextlib.contextmanager
+def running(topology: Callable[[FakeCluster], Topology], **cluster_options: Any) -> Iterator[Env]:
+    """Start a FakeCluster, deploy `topology(cluster)`, start the router; tear all of it down after."""
+    cluster = FakeCluster(**cluster_options)
+    router = None
+    try:
+        topo = topology(cluster)
+        cluster.deploy(topo)
+        wait_until_running(APP, 90)
+        router = Router(topo)
+        yield Env(cluster, router, topo)
+    finally:
+        if router is not None:
+            router.stop()
+        cluster.shutdown()

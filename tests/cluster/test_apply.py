@@ -8,49 +8,29 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import msgspec
 import pytest
 from fake_cluster import (
-    APP,
-    FakeCluster,
-    Router,
+    Env,
     Streamer,
     double_topology,
+    running,
     serve_replicas,
     wait_until,
     with_pool,
 )
 
 from cluster.apply import ApplyError, apply_topology, diff_topologies, plan_actions
-from cluster.bootstrap import wait_until_running
-from cluster.topology import Topology, parse_topology
+from cluster.topology import parse_topology
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
 
 
-@dataclass
-class Env:
-    cluster: FakeCluster
-    router: Router
-    topo: Topology  # what runs now; each test leaves it as it found it
-
-
 @pytest.fixture(scope="module")
 def env() -> Iterator[Env]:
-    cluster = FakeCluster(decode_nodes=2)
-    topo = double_topology(cluster.dashboard_port)
-    router = None
-    try:
-        cluster.deploy(topo)
-        wait_until_running(APP, 90)
-        router = Router(topo)
-        yield Env(cluster, router, topo)
-    finally:
-        if router is not None:
-            router.stop()
-        cluster.shutdown()
+    with running(lambda cluster: double_topology(cluster.dashboard_port), decode_nodes=2) as env:
+        yield env
 
 
 def test_the_diff_names_field_paths_and_the_plan_says_what_serve_does() -> None:

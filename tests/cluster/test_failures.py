@@ -8,43 +8,25 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import pytest
 import ray
-from fake_cluster import APP, FakeCluster, Router, Streamer, double_topology, serve_replicas, wait_until
+from fake_cluster import APP, Env, Streamer, double_topology, running, serve_replicas, wait_until
 from ray import serve
 
-from cluster.bootstrap import wait_until_running
 from cluster.placement import INFEASIBLE, placement_specs, wait_for_placement
 from cluster.registry import EXPIRY_S
-from cluster.topology import Topology
 from engine.messages import ReplicaInfo
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
 
-@dataclass
-class Env:
-    cluster: FakeCluster
-    router: Router
-    topo: Topology
-
-
 @pytest.fixture(scope="module")
 def env() -> Iterator[Env]:
-    cluster = FakeCluster(decode_nodes=2)
-    topo = double_topology(cluster.dashboard_port, decode={"replicas": 2})
-    router = None
-    try:
-        cluster.deploy(topo)
-        wait_until_running(APP, 90)
-        router = Router(topo)
-        yield Env(cluster, router, topo)
-    finally:
-        if router is not None:
-            router.stop()
-        cluster.shutdown()
+    with running(
+        lambda cluster: double_topology(cluster.dashboard_port, decode={"replicas": 2}), decode_nodes=2
+    ) as env:
+        yield env
 
 
 def running_decode(env: Env) -> dict[str, dict]:

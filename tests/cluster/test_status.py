@@ -7,16 +7,15 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import pytest
-from fake_cluster import APP, FakeCluster, Router, Streamer, double_topology, wait_until
+from fake_cluster import APP, Env, FakeCluster, Streamer, double_topology, running, wait_until
 from ray import serve
 from ray.dashboard.modules.serve.sdk import ServeSubmissionClient
 from ray.util.state import list_placement_groups
 
 from cluster import cli
-from cluster.bootstrap import RunState, wait_until_running
+from cluster.bootstrap import RunState
 from cluster.status import ClusterStatus, build_status, collect_status, render_table
 from cluster.topology import Topology
 from engine.messages import ReplicaInfo
@@ -26,28 +25,14 @@ pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
 ONE_GPU = {"gpus_per_replica": 1, "cpu": None}
 
 
-@dataclass
-class Env:
-    cluster: FakeCluster
-    router: Router
-    topo: Topology
-
-
 @pytest.fixture(scope="module")
 def env() -> Iterator[Env]:
     # Fake GPUs: one on the prefill node, two on each decode node.
-    cluster = FakeCluster(decode_nodes=2, node_cpus=4, decode_node_gpus=2)
-    topo = double_topology(cluster.dashboard_port, prefill=ONE_GPU, decode={**ONE_GPU, "replicas": 2})
-    router = None
-    try:
-        cluster.deploy(topo)
-        wait_until_running(APP, 90)
-        router = Router(topo)
-        yield Env(cluster, router, topo)
-    finally:
-        if router is not None:
-            router.stop()
-        cluster.shutdown()
+    def topology(cluster: FakeCluster) -> Topology:
+        return double_topology(cluster.dashboard_port, prefill=ONE_GPU, decode={**ONE_GPU, "replicas": 2})
+
+    with running(topology, decode_nodes=2, node_cpus=4, decode_node_gpus=2) as env:
+        yield env
 
 
 def current_status(env: Env) -> ClusterStatus:
