@@ -25,6 +25,8 @@ from typing import Any
 
 import yaml
 
+from cluster.cli import READY_LINE
+
 REPO = Path(__file__).resolve().parents[1]
 PDSERVE = str(Path(sys.executable).with_name("pdserve"))
 
@@ -63,7 +65,7 @@ class _Cluster:
             assert self.proc.stdout is not None
             for line in self.proc.stdout:
                 self.log.append(line)
-                if line.startswith("pdserve is up"):
+                if line.startswith(READY_LINE):
                     ready.set()
 
         threading.Thread(target=read, daemon=True).start()

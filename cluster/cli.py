@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -23,6 +24,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+# `pdserve up` prints a line starting with this once its gRPC endpoint accepts calls; scripts wait for it.
+READY_LINE = "pdserve is up"
 DEFAULT_TOPOLOGY = Path(__file__).resolve().parents[1] / "deploy" / "local.yaml"
 
 log = logging.getLogger("pdserve")
@@ -161,7 +164,7 @@ def _up(args: argparse.Namespace) -> int:
         except ConnectionError as exc:
             raise _UserError(f"cannot connect to the Ray cluster at {address}: {exc}") from exc
         RunState(
-            pid=_pid(),
+            pid=os.getpid(),
             ray_address=address,
             dashboard_url=dashboard,
             started_ray=started_ray,
@@ -181,7 +184,7 @@ def _up(args: argparse.Namespace) -> int:
         def announce() -> None:
             # Only once the gRPC endpoint accepts calls: scripts wait for this line.
             log.info("cluster ready in %.1f s", time.monotonic() - started)
-            ready = f"pdserve is up: gRPC {grpc_address}, dashboard {dashboard}, metrics {metrics_url}"
+            ready = f"{READY_LINE}: gRPC {grpc_address}, dashboard {dashboard}, metrics {metrics_url}"
             print(ready, flush=True)
 
         asyncio.run(_serve_router(router, announce))
@@ -338,9 +341,3 @@ def _status(args: argparse.Namespace) -> int:
     status = collect_status(state.dashboard_url, APP_NAME, fetch_registry(state.ray_address, APP_NAME))
     print(render_json(status) if args.json else render_table(status))
     return 0
-
-
-def _pid() -> int:
-    import os
-
-    return os.getpid()

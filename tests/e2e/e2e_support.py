@@ -14,6 +14,9 @@ from pathlib import Path
 import psutil
 import yaml
 
+from cluster.bootstrap import RunState, cluster_processes
+from cluster.cli import READY_LINE
+
 REPO = Path(__file__).resolve().parents[2]
 PDSERVE = str(Path(sys.executable).with_name("pdserve"))
 UP_TIMEOUT_S = 420
@@ -67,7 +70,7 @@ class RunningCluster:
                 self.log.append(line)
                 mirror.write(line)
                 mirror.flush()
-                if line.startswith("pdserve is up"):
+                if line.startswith(READY_LINE):
                     self._ready.set()
 
     def wait_ready(self) -> None:
@@ -78,20 +81,12 @@ class RunningCluster:
                 raise RuntimeError(f"pdserve up did not come up (exit {self.proc.poll()}):\n{tail}")
 
     def processes(self) -> list[psutil.Process]:
-        """Every process of this cluster: `pdserve up`, Ray's daemons of its session, their descendants
-        (replica actors, vLLM engine cores and workers)."""
-        session = Path("/tmp/ray/session_latest").resolve().name
-        roots = [psutil.Process(self.proc.pid)]
-        for p in psutil.process_iter(["cmdline"]):
-            if any(session in part for part in (p.info["cmdline"] or [])):
-                roots.append(p)
-        found: dict[int, psutil.Process] = {}
-        for root in roots:
-            try:
-                for p in [root, *root.children(recursive=True)]:
-                    found[p.pid] = p
-            except psutil.NoSuchProcess:
-                continue
+        """Every process of this cluster: `pdserve up` and its children, and the Ray cluster it started
+        (daemons, replica actors, vLLM engine cores and workers), found as `pdserve down` finds them."""
+        state = RunState.load()
+        assert state is not None, "pdserve up wrote no run state"
+        up = psutil.Process(self.proc.pid)
+        found = {p.pid: p for p in [up, *up.children(recursive=True), *cluster_processes(state.ray_address)]}
         return list(found.values())
 
     def down(self) -> subprocess.CompletedProcess[str]:
