@@ -1,9 +1,9 @@
 """A fake multi-node Ray cluster running the real pdserve application on the engine test double.
 
-Shared by the cluster tests of apply, failures and status: labelled nodes (ray.cluster_utils.Cluster) on
-this one machine, the application deployed through the dashboard's Serve REST API exactly as `pdserve up`
-does it (compile_serve_config + ServeSubmissionClient), the real RouterProcess serving gRPC in a thread,
-and `Streamer`s: clients that send Generate requests back to back and record how each one ended.
+Shared by the cluster tests of apply, failures and status: labelled nodes on this one machine
+(tests/cluster/ray_nodes.py), the application deployed through the dashboard's Serve REST API exactly as
+`pdserve up` does it (compile_serve_config + ServeSubmissionClient), the real RouterProcess serving gRPC in
+a thread, and `Streamer`s: clients that send Generate requests back to back and record how each one ended.
 The engines are `model.engine: double` (engine/double.py): Serve, the registry, the router and gRPC are
 real; only vLLM is not.
 """
@@ -22,7 +22,7 @@ from typing import Any
 import grpc
 import msgspec
 import ray
-from ray.cluster_utils import Cluster
+from ray_nodes import RayNodes
 
 from cluster.bootstrap import deploy, wait_until_running
 from cluster.serve_config import compile_serve_config
@@ -74,9 +74,8 @@ class FakeCluster:
     def __init__(self, decode_nodes: int = 2, node_cpus: int = 1, decode_node_gpus: int = 0) -> None:
         self.dashboard_port = free_port()
         self.dashboard_url = f"http://127.0.0.1:{self.dashboard_port}"
-        self.cluster = Cluster(
-            initialize_head=True,
-            head_node_args={
+        self.ray_nodes = RayNodes(
+            {
                 "num_cpus": 1,
                 "labels": {"role": "head"},
                 "include_dashboard": True,  # Serve's REST API and the state API live in the dashboard
@@ -85,16 +84,21 @@ class FakeCluster:
                 "ray_client_server_port": free_port(),
                 "object_store_memory": OBJECT_STORE,
                 "_system_config": FAST_NODE_DEATH,
-            },
+            }
         )
-        self.nodes: dict[str, Any] = {
-            "prefill-0": self.add_node("prefill", node_cpus, min(decode_node_gpus, 1))
-        }
-        for i in range(decode_nodes):
-            self.nodes[f"decode-{i}"] = self.add_node("decode", node_cpus, decode_node_gpus)
-        self.cluster.wait_for_nodes()
-        ray.init(address=self.cluster.address, namespace="pdserve", log_to_driver=False)
-        self._wait_for_dashboard(timeout_s=60)
+        self.address = self.ray_nodes.address
+        # Node name -> node id.
+        self.nodes: dict[str, str] = {}
+        try:
+            self.nodes["prefill-0"] = self.add_node("prefill", node_cpus, min(decode_node_gpus, 1))
+            for i in range(decode_nodes):
+                self.nodes[f"decode-{i}"] = self.add_node("decode", node_cpus, decode_node_gpus)
+            self.ray_nodes.wait_for_nodes()
+            ray.init(address=self.address, namespace="pdserve", log_to_driver=False)
+            self._wait_for_dashboard(timeout_s=60)
+        except BaseException:
+            self.shutdown()
+            raise
 
     def _wait_for_dashboard(self, timeout_s: float) -> None:
         """The dashboard (Serve's REST API) starts listening a while after the head node is up."""
@@ -110,8 +114,9 @@ class FakeCluster:
                     raise
                 time.sleep(0.5)
 
-    def add_node(self, role: str, cpus: int, gpus: int = 0) -> Any:
-        return self.cluster.add_node(
+    def add_node(self, role: str, cpus: int, gpus: int = 0) -> str:
+        """Start a labelled worker node; returns its node id."""
+        return self.ray_nodes.add_node(
             num_cpus=cpus,
             num_gpus=gpus,  # fake GPUs: a resource count, no device
             labels={"role": role},
@@ -120,10 +125,10 @@ class FakeCluster:
         )
 
     def node_name(self, node_id: str) -> str:
-        return next(name for name, node in self.nodes.items() if node.node_id == node_id)
+        return next(name for name, nid in self.nodes.items() if nid == node_id)
 
     def remove_node(self, name: str) -> None:
-        self.cluster.remove_node(self.nodes.pop(name))
+        self.ray_nodes.remove_node(self.nodes.pop(name))
 
     def deploy(self, topo: Topology) -> None:
         deploy(compile_serve_config(topo, app_name=APP), self.dashboard_url)
@@ -136,7 +141,7 @@ class FakeCluster:
         # would be served the dead controller: drop the cache (Serve's own `_disconnect`).
         context._disconnect()
         ray.shutdown()
-        self.cluster.shutdown()
+        self.ray_nodes.shutdown()
 
 
 async def wait_until(predicate: Callable[[], Any], timeout_s: float, what: str, poll_s: float = 0.5) -> Any:

@@ -8,24 +8,22 @@ another role, which PACK would otherwise prefer for a 16-GPU replica.
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import ray
+from fake_cluster import OBJECT_STORE, free_port
 from ray import serve
-from ray.cluster_utils import Cluster
 from ray.util.state import list_placement_groups
+from ray_nodes import RayNodes
 
 from cluster.placement import INFEASIBLE, NO_RESOURCES, PlacementReport, placement_specs, wait_for_placement
 from cluster.serve_config import compile_serve_config
 from cluster.topology import Topology, parse_topology
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
-
-OBJECT_STORE = 80 * 1024**2  # several raylets on one small host: keep each object store small
 
 PLACEABLE = """
 model: {block_size: 64}
@@ -57,18 +55,11 @@ pools:
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def dashboard_url() -> Iterator[str]:
     port = free_port()
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={
+    nodes = RayNodes(
+        {
             "num_cpus": 2,
             "labels": {"role": "head"},
             "include_dashboard": True,  # the state API and Serve's REST API live in the dashboard
@@ -76,20 +67,20 @@ def dashboard_url() -> Iterator[str]:
             "dashboard_agent_listen_port": free_port(),
             "ray_client_server_port": free_port(),
             "object_store_memory": OBJECT_STORE,
-        },
+        }
     )
-    for role, gpus, count in (("prefill", 8, 1), ("decode", 8, 2), ("batch", 16, 1)):
-        for _ in range(count):
-            cluster.add_node(
-                num_cpus=2 * gpus + 2,
-                num_gpus=gpus,
-                labels={"role": role},
-                object_store_memory=OBJECT_STORE,
-                dashboard_agent_listen_port=free_port(),  # one host: each node's agent needs its own port
-            )
-    ray.init(address=cluster.address)
-    serve.start(proxy_location="Disabled")
     try:
+        for role, gpus, count in (("prefill", 8, 1), ("decode", 8, 2), ("batch", 16, 1)):
+            for _ in range(count):
+                nodes.add_node(
+                    num_cpus=2 * gpus + 2,
+                    num_gpus=gpus,
+                    labels={"role": role},
+                    object_store_memory=OBJECT_STORE,
+                    dashboard_agent_listen_port=free_port(),  # one host: each node's agent needs its own port
+                )
+        ray.init(address=nodes.address)
+        serve.start(proxy_location="Disabled")
         yield f"http://127.0.0.1:{port}"
     finally:
         # No serve.shutdown(): it waits on replicas that never started; stopping the cluster ends them all.
@@ -98,7 +89,7 @@ def dashboard_url() -> Iterator[str]:
 
         context._disconnect()
         ray.shutdown()
-        cluster.shutdown()
+        nodes.shutdown()
 
 
 def deploy(topo: Topology, app_name: str) -> None:

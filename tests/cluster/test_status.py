@@ -103,7 +103,7 @@ async def test_cli_status_json_reads_the_running_cluster(
     monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
     RunState(
         pid=0,
-        ray_address=env.cluster.cluster.address,
+        ray_address=env.cluster.address,
         dashboard_url=env.cluster.dashboard_url,
         started_ray=False,
         grpc_target=env.router.target,
