@@ -5,9 +5,13 @@ Setup: a KvIndex holding `--indexed-blocks` blocks (default 1M) spread over the 
 BlockStored-style calls (so the index is hashed exactly as in production); half the replicas are prefill, half
 decode. Cases: a session's first turn (a new prompt sharing half of an indexed prompt: full hash of the
 prompt) and its next turn (the previous prompt plus `--turn-tokens` new tokens: only the new blocks are
-hashed). Prints p50/p99 in microseconds per case, wall clock and this thread's CPU time (on a shared machine
-the wall-clock tail is dominated by the OS preempting the process; CPU time is the decision's own cost), and
-the index's memory per block.
+hashed). As in a live agent loop, the next turn's token ids are new int objects (re-tokenized) and the index
+has learned where the first turn's blocks were stored (the engines' KV events) before it arrives; the flags
+`--reuse-token-objects` and `--static-index` turn either off. Prints p50/p99 in microseconds per case, wall
+clock and this thread's CPU time (on a shared machine the wall-clock tail is dominated by the OS preempting
+the process; CPU time is the decision's own cost), the index's memory per block, and the CPU of
+`SessionHasher.seal`, which the live router runs when a turn finishes (off the decision's path) so that the
+next turn's prefix check is one tuple hash.
 
     .venv/bin/python -m bench.routing_decision [--replicas 8 32 128] [--prompt-tokens 8192 131072]
 """
@@ -68,7 +72,8 @@ def run_case(
     iters: int,
     turn_tokens: int,
     rng: np.random.Generator,
-    retokenized: bool = False,
+    reuse_token_objects: bool = False,
+    static_index: bool = False,
 ) -> dict[str, list[float]]:
     tracker = LoadTracker()
     n_pre = n_replicas // 2
@@ -76,15 +81,16 @@ def run_case(
         tracker.add_replica(f"r{r}", "prefill" if r < n_pre else "decode", node_id=f"n{r // 8}")
     policy = PdservePolicy()
     hasher = SessionHasher(block_size)
-    out: dict[str, list[float]] = {"first": [], "next": [], "first_cpu": [], "next_cpu": []}
+    next_engine_hash = 1 << 40  # above build_index's engine hashes
+    out: dict[str, list[float]] = {"first": [], "next": [], "first_cpu": [], "next_cpu": [], "seal_cpu": []}
     for it in range(iters):
         doc = docs[it % len(docs)]
         shared = doc[: min(len(doc), prompt_tokens) // 2]
         prompt = shared + rng.integers(0, 150_000, prompt_tokens - len(shared)).tolist()
         turn2 = prompt + rng.integers(0, 150_000, turn_tokens).tolist()
-        if retokenized:
+        if not reuse_token_objects:
             # A live router re-tokenizes every turn: the next prompt's ints are new objects, so the session
-            # hasher's comparison with the previous prompt cannot stop at object identity.
+            # hasher's check against the previous prompt cannot stop at object identity.
             turn2 = np.array(turn2).tolist()
         sid = f"s{it}"
         for toks, case in ((prompt, "first"), (turn2, "next")):
@@ -104,6 +110,19 @@ def run_case(
             out[case + "_cpu"].append(time.thread_time() - c0)
             tracker.on_dispatch(req, d)
             tracker.on_finish(req.request_id)
+            if not static_index:
+                # The engines' BlockStored events for this turn reach the index before the agent's next
+                # turn (which waits for this reply): the prompt's blocks on the replica that computed it
+                # and, after the KV transfer, on the decode replica.
+                full = len(toks) // block_size
+                for replica in {d.decode, d.prefill or d.decode}:
+                    index.apply_stored(replica, range(next_engine_hash, next_engine_hash + full), None, toks)
+                    next_engine_hash += full
+            # What the live router does when the turn finishes (RequestRouter.finish): not the decision's
+            # cost, but CPU the router spends per turn, so it is reported beside it.
+            c0 = time.thread_time()
+            hasher.seal(sid)
+            out["seal_cpu"].append(time.thread_time() - c0)
     return out
 
 
@@ -120,9 +139,16 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--turn-tokens", type=int, default=256)
     ap.add_argument(
-        "--retokenized",
+        "--reuse-token-objects",
         action="store_true",
-        help="next turn's token ids are new int objects (as from a tokenizer), not the previous turn's",
+        help="next turn's token list reuses the previous turn's int objects (default: new objects, as a live "
+        "router's tokenizer produces)",
+    )
+    ap.add_argument(
+        "--static-index",
+        action="store_true",
+        help="do not index what each turn stored (default: the index learns it, as from the engines' KV "
+        "events, before the next turn)",
     )
     ap.add_argument(
         "--iters", type=int, default=300, help="per case for 8k prompts (scaled down for longer ones)"
@@ -139,6 +165,7 @@ def main() -> None:
         + " ".join(f"{c:>10}" for c in cols)
         + " | CPU "
         + " ".join(f"{c:>10}" for c in cols)
+        + " | seal p50"
     )
     for n in args.replicas:
         for pt in args.prompt_tokens:
@@ -148,14 +175,24 @@ def main() -> None:
             gc.disable()  # a GC pause triggered by the benchmark's own garbage is not the router's cost
             try:
                 res = run_case(
-                    n, pt, index, docs, args.block_size, iters, args.turn_tokens, rng, args.retokenized
+                    n,
+                    pt,
+                    index,
+                    docs,
+                    args.block_size,
+                    iters,
+                    args.turn_tokens,
+                    rng,
+                    args.reuse_token_objects,
+                    args.static_index,
                 )
             finally:
                 gc.enable()
 
             cells = " ".join(_p50_p99(res[k]) for k in ("first", "next"))
             cpu = " ".join(_p50_p99(res[k]) for k in ("first_cpu", "next_cpu"))
-            print(f"{n:>8} {pt:>7} {per_block:>9.0f} {cells} | CPU {cpu}", flush=True)
+            seal = np.percentile(np.array(res["seal_cpu"]) * 1e6, 50)
+            print(f"{n:>8} {pt:>7} {per_block:>9.0f} {cells} | CPU {cpu} | {seal:>8.0f}", flush=True)
             del index, docs
             gc.collect()
 

@@ -44,13 +44,24 @@ def hash_blocks(token_ids: Sequence[int], block_size: int, parent: int | None = 
     return out
 
 
+def _shares_int_objects(a: list[int], b: list[int]) -> bool:
+    """Whether two equal-length token lists look like they hold the same int objects: judged by the last of
+    the final 64 ids above 256 (CPython caches ints up to 256, so a small id's identity says nothing)."""
+    for i in range(len(b) - 1, max(len(b) - 64, 0) - 1, -1):
+        if b[i] > 256:
+            return a[i] is b[i]
+    return True
+
+
 class _SessionEntry:
-    __slots__ = ("hashes", "n_full", "tokens")
+    __slots__ = ("digest", "hashes", "n_full", "tokens")
 
     def __init__(self, tokens: list[int], n_full: int, hashes: list[int]) -> None:
         self.tokens = tokens  # the previous turn's prompt; its first `n_full` tokens fill whole blocks
         self.n_full = n_full
         self.hashes = hashes
+        # hash(tuple(tokens)), computed by `SessionHasher.seal` once the turn's decision is made.
+        self.digest: int | None = None
 
 
 class SessionHasher:
@@ -58,9 +69,17 @@ class SessionHasher:
     unchanged.
 
     An agent turn's prompt is usually the previous turn's prompt plus new messages, so the next turn hashes
-    only its new blocks. The reuse is exact: the cached tokens are compared with the new prompt (a C-level
-    list comparison, ~30 us for 8k tokens) and hashing restarts at the first block that differs, so an edited
-    history (e.g. context compaction or a re-rendered last message) is handled correctly.
+    only its new blocks. The previous prompt is checked against the start of the new one, and hashing
+    restarts at the first block that differs, so an edited history (e.g. context compaction or a re-rendered
+    last message) is handled correctly.
+
+    The check. A re-tokenized prompt is a list of new int objects, and comparing 8k of them element by
+    element costs ~110 us, more than half of a next turn's decision budget. Hashing them as one tuple costs
+    about half that, so once a turn is routed `seal` stores the digest `hash(tuple(prompt))`, off the
+    decision path, and the next turn compares `hash(tuple(new[:len(prev)]))` with it. That is the same
+    64-bit CPython tuple hash the block chain itself is made of, so it adds no new way to be wrong: a
+    collision misleads one routing decision, never what the engine computes. Without a digest (not sealed
+    yet) the lists are compared directly.
 
     Memory is bounded by `max_sessions` and `max_tokens` (total cached tokens); least recently used sessions
     are dropped first. Not thread-safe: one per event loop.
@@ -114,6 +133,14 @@ class SessionHasher:
         self._remember(session_id, token_ids, n_full, own)
         return own.copy()
 
+    def seal(self, session_id: str | None) -> None:
+        """Store the digest of the session's latest prompt for the next turn's check. Call it after the
+        turn's routing decision (its cost, about that of hashing the prompt as one tuple, is off the
+        decision's path)."""
+        entry = None if session_id is None else self._sessions.get(session_id)
+        if entry is not None and entry.digest is None:
+            entry.digest = hash(tuple(entry.tokens))
+
     def forget(self, session_id: str) -> None:
         entry = self._sessions.pop(session_id, None)
         if entry is not None:
@@ -126,9 +153,15 @@ class SessionHasher:
         prev = entry.tokens
         if prev is token_ids:
             return n_prev // bs
-        # The usual next turn extends the whole previous prompt: one slice, not two.
-        if len(prev) <= len(token_ids) and token_ids[: len(prev)] == prev:
-            return n_prev // bs
+        # The usual next turn extends the whole previous prompt.
+        if len(prev) <= len(token_ids):
+            head = token_ids[: len(prev)]
+            # Comparing lists is cheap when they share their int objects (a caller that extends the previous
+            # turn's list); a re-tokenized prompt does not, and then the digest is the cheaper check.
+            shared = _shares_int_objects(head, prev)
+            same = head == prev if shared or entry.digest is None else hash(tuple(head)) == entry.digest
+            if same:
+                return n_prev // bs
         if token_ids[:n_prev] == prev[:n_prev]:
             return n_prev // bs
         # Coarse scan by chunks of blocks, then block by block inside the first differing chunk.

@@ -58,7 +58,12 @@ class PrefixMemo:
     `anchors[m]` is that prompt's hash of block m-1. Blocks are only lost through removals, each of which
     advances the clock and stamps the replica, so while a replica's removal stamp is not newer than `stamp` it
     still holds those blocks; a later prompt whose block m-1 has the same chained hash has the same first m
-    blocks (up to a 64-bit collision, the index's accepted risk)."""
+    blocks (up to a 64-bit collision, the index's accepted risk).
+
+    `KvIndex.expect_stored` adds the replicas a request was sent to, with the whole prompt, before they hold
+    it. Such an entry counts once the replica holds the anchor block with no removal since `stamp`: an engine
+    stores a block only while every block before it is in its cache (they belong to the same running request),
+    so holding block m-1 with nothing lost since means holding all m."""
 
     __slots__ = ("anchors", "counts", "stamp")
 
@@ -281,6 +286,7 @@ class KvIndex:
         session's next turn checks its new blocks, not its whole history. Same result as the full walk."""
         result: dict[str, int] = {}
         replicas = self._replicas
+        holders = self._holders
         alive = 0  # replicas walked from block 0
         joins: dict[int, int] = {}  # block position -> replicas known to hold every block before it
         n = len(block_hashes)
@@ -292,7 +298,13 @@ class KvIndex:
                 if rep is None:
                     continue
                 m = counts.get(rid, 0)
-                if m and m <= n and rep.removed_at <= stamp and block_hashes[m - 1] == anchors[m]:
+                if (
+                    m
+                    and m <= n
+                    and rep.removed_at <= stamp
+                    and block_hashes[m - 1] == anchors[m]
+                    and holders.get(anchors[m], 0) & rep.bit
+                ):
                     joins[m] = joins.get(m, 0) | rep.bit
                 else:
                     alive |= rep.bit
@@ -315,6 +327,25 @@ class KvIndex:
         return result, PrefixMemo(
             self._removal_clock, new_counts, {c: block_hashes[c - 1] for c in new_counts.values()}
         )
+
+    def expect_stored(self, memo: object, replica_ids: Iterable[str], block_hashes: Sequence[int]) -> None:
+        """Note in `memo` (from `matched_blocks_memo` of `block_hashes`) that these replicas will hold every
+        block of `block_hashes`: the request was sent there. The session's next turn then checks each with
+        one probe instead of walking the whole prefix it just acquired (see `PrefixMemo`).
+
+        A replica that already holds the last block without all before it (a hole left by an eviction) is
+        not noted: holding that block later would not mean it was stored with its prefix."""
+        if not isinstance(memo, PrefixMemo) or not block_hashes:
+            return
+        m = len(block_hashes)
+        anchor = block_hashes[m - 1]
+        held = self._holders.get(anchor, 0)
+        for rid in replica_ids:
+            rep = self._replicas.get(rid)
+            if rep is None or memo.counts.get(rid, 0) == m or held & rep.bit:
+                continue
+            memo.counts[rid] = m
+            memo.anchors[m] = anchor
 
     def _walk(
         self, block_hashes: Sequence[int], start: int, stop: int, alive: int, result: dict[str, int]

@@ -95,6 +95,9 @@ class RequestRouter:
         if admitted is None:
             return
         self._admitted_tokens -= admitted.tokens
+        if admitted.req is not None:
+            # The turn is over: prepare the session's next-turn check now, off any decision's path.
+            self._hasher.seal(admitted.req.session_id)
         if admitted.req is not None and admitted.decision is not None:
             self._view.load.on_finish(request_id)
             self._policy.on_finish(admitted.req, admitted.decision)

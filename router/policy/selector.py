@@ -50,7 +50,14 @@ from router.policy.cost import (
     queued_s,
     transfer_term,
 )
-from router.policy.types import Decision, NoReplicaError, PrefixLookup, ReplicaView, RouteRequest
+from router.policy.types import (
+    Decision,
+    MemoPrefixLookup,
+    NoReplicaError,
+    PrefixLookup,
+    ReplicaView,
+    RouteRequest,
+)
 
 
 class PdservePolicyConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -127,9 +134,11 @@ class PdservePolicy:
         session = None if req.session_id is None else self._sessions.get(req.session_id)
         ids = [r.replica_id for r in pres]
         ids += [r.replica_id for r in decs]
-        resume = getattr(cache, "matched_blocks_memo", None)
-        if resume is not None:
-            matched, memo = resume(req.block_hashes, ids, None if session is None else session.memo)
+        memo_cache = cache if isinstance(cache, MemoPrefixLookup) else None
+        if memo_cache is not None:
+            matched, memo = memo_cache.matched_blocks_memo(
+                req.block_hashes, ids, None if session is None else session.memo
+            )
         else:
             matched, memo = cache.matched_blocks(req.block_hashes, ids), None
         # cached_tokens() for every replica: at most the blocks before the one holding the last token.
@@ -204,6 +213,8 @@ class PdservePolicy:
         local = comp is dec
         self._account(req, comp, cached[comp.replica_id], dec, own_prefill_s(cached[comp.replica_id]))
         if req.session_id is not None:
+            if memo_cache is not None:
+                memo_cache.expect_stored(memo, {comp.replica_id, dec.replica_id}, req.block_hashes)
             self._remember(req.session_id, session, dec.replica_id, memo)
         reason = ("no_prefill_replica" if not pres else "local_prefill") if local else "disaggregated"
         return Decision(

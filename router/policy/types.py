@@ -10,7 +10,7 @@ blocks of this prompt does each replica hold" (`router.kv_index.KvIndex` impleme
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Literal, Protocol
+from typing import Literal, Protocol, runtime_checkable
 
 import msgspec
 
@@ -78,6 +78,7 @@ class PrefixLookup(Protocol):
         ...
 
 
+@runtime_checkable
 class MemoPrefixLookup(PrefixLookup, Protocol):
     """A `PrefixLookup` that can resume from what an earlier lookup established (`router.kv_index.KvIndex`):
     a session's next turn then walks its new blocks, not its whole history. The memo is opaque to callers."""
@@ -86,6 +87,10 @@ class MemoPrefixLookup(PrefixLookup, Protocol):
         self, block_hashes: Sequence[int], replica_ids: Iterable[str], memo: object | None
     ) -> tuple[dict[str, int], object]:
         """`matched_blocks`, resumed from `memo` (None: from scratch), and the memo of this lookup."""
+        ...
+
+    def expect_stored(self, memo: object, replica_ids: Iterable[str], block_hashes: Sequence[int]) -> None:
+        """Note in `memo` that these replicas will hold all of `block_hashes` (the request went there)."""
         ...
 
 

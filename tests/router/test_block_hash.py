@@ -77,11 +77,27 @@ def test_session_next_turn_hashes_only_new_blocks() -> None:
     assert h.reused_blocks == len(turn1) // 16
 
 
-@pytest.mark.parametrize("edit_at", [0, 17, 500, 999])
-def test_session_edited_history_rehashes_from_the_first_changed_block(edit_at: int) -> None:
+@pytest.mark.parametrize("sealed", [False, True])
+def test_session_next_turn_of_fresh_int_objects_reuses_the_previous_turn(sealed: bool) -> None:
+    """A live router re-tokenizes every turn: equal ids, new objects. Sealed or not, the prefix is reused."""
     h = SessionHasher(block_size=16)
     turn1 = _tokens(1000)
     h.hash("s", turn1)
+    if sealed:
+        h.seal("s")
+    turn2 = [int(str(t)) for t in turn1] + _tokens(300, seed=1)
+    assert h.hash("s", turn2) == hash_blocks(turn2, 16)
+    assert h.reused_blocks == len(turn1) // 16
+
+
+@pytest.mark.parametrize("sealed", [False, True])
+@pytest.mark.parametrize("edit_at", [0, 17, 500, 999])
+def test_session_edited_history_rehashes_from_the_first_changed_block(edit_at: int, sealed: bool) -> None:
+    h = SessionHasher(block_size=16)
+    turn1 = _tokens(1000)
+    h.hash("s", turn1)
+    if sealed:
+        h.seal("s")
     turn2 = list(turn1) + _tokens(100, seed=2)
     turn2[edit_at] += 1
     reused_before = h.reused_blocks

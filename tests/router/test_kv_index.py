@@ -319,6 +319,10 @@ def test_resumed_lookup_of_growing_sessions_matches_full_walk(seed: int) -> None
         got, memos[s] = index.matched_blocks_memo(hashes, replicas, memos[s])
         assert got == index.matched_blocks(hashes, replicas)
         assert got == {r: ref.matched(r, prompt) for r in replicas}, _step
+        if rng.random() < 0.5:
+            # The policy sent this turn to some replica, which may or may not store it (or a later turn of
+            # the session) before the next lookup: the memo's expectation never changes an answer.
+            index.expect_stored(memos[s], [rng.choice(replicas)], hashes)
 
 
 def test_resumed_lookup_walks_only_the_new_blocks() -> None:
@@ -346,3 +350,30 @@ def test_resumed_lookup_walks_only_the_new_blocks() -> None:
     index.apply_removed("r0", [3])  # a removal on r0 since: its memo is no longer trusted
     got, _ = index.matched_blocks_memo(hash_blocks(turn2, BS), ["r0", "r1"], memo)
     assert got == {"r0": 3, "r1": 0}
+
+
+def test_a_replica_the_turn_was_sent_to_is_not_walked_again_next_turn() -> None:
+    """The policy notes where it sent a turn; once that replica has stored it, the next turn's lookup checks
+    it with one probe plus the new blocks, not the whole prefix it acquired."""
+    index = KvIndex(BS)
+    index.add_replica("d0")
+    turn1 = list(range(100 * BS))
+    h1 = hash_blocks(turn1, BS)
+    got, memo = index.matched_blocks_memo(h1, ["d0"], None)
+    assert got == {"d0": 0}
+    index.expect_stored(memo, ["d0"], h1)
+    index.apply_stored("d0", list(range(100)), None, turn1)  # the KV arrived (BlockStored events)
+    turn2 = turn1 + list(range(5 * BS))
+    holders = index._holders
+    gets = 0
+
+    class CountingDict(dict[int, int]):
+        def get(self, key: int, default: int = 0) -> int:  # type: ignore[override]
+            nonlocal gets
+            gets += 1
+            return super().get(key, default)
+
+    index._holders = CountingDict(holders)
+    got, _ = index.matched_blocks_memo(hash_blocks(turn2, BS), ["d0"], memo)
+    assert got == {"d0": 100}
+    assert gets <= 7  # the anchor, then blocks 100.. until the first one d0 lacks
