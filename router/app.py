@@ -18,6 +18,7 @@ from ray import serve
 from cluster.topology import Topology
 from engine.messages import ReplicaInfo
 from router.api import pdserve_pb2 as pb
+from router.chat_encoder import SessionChatEncoder
 from router.cluster_view import ClusterView
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator
@@ -61,6 +62,7 @@ class RouterProcess:
                 raise RuntimeError(f"server.auth_token_env names {cfg.auth_token_env}, which is not set")
         self.service = PdserveService(
             tokenizer=tokenizer,
+            chat_encoder=SessionChatEncoder(tokenizer, on_encoded=self.metrics.on_chat_encoded),
             limits=ModelLimits(
                 served_name=topo.model.name,
                 max_model_len=topo.model.max_model_len,

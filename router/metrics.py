@@ -67,6 +67,17 @@ class RouterMetrics:
             registry=r,
         )
         self.paths = Counter("pdserve_serving_path", "Requests by serving path.", ["path"], registry=r)
+        self.chat_tokens = Counter(
+            "pdserve_chat_prompt_tokens",
+            "Chat prompt token ids by how the router got them: 'encoded' by the tokenizer, or 'reused' from "
+            "the session's previous turn (incremental tokenization).",
+            ["source"],
+            registry=r,
+        )
+
+    def on_chat_encoded(self, reused: int, encoded: int) -> None:
+        self.chat_tokens.labels(source="reused").inc(reused)
+        self.chat_tokens.labels(source="encoded").inc(encoded)
 
     def serve(self, host: str, port: int) -> None:
         """Expose /metrics (prometheus-client's own HTTP server thread)."""

@@ -24,6 +24,7 @@ from grpc_reflection.v1alpha import reflection
 from engine.messages import TokenBatch
 from router.api import pdserve_pb2 as pb
 from router.api import pdserve_pb2_grpc as pb_grpc
+from router.chat_encoder import SessionChatEncoder
 from router.metrics import RouterMetrics
 from router.orchestrator import Completion, NoReplicaError, Orchestrator
 from router.policy.types import NoReplicaError as NoEligibleReplica
@@ -60,6 +61,7 @@ class PdserveService(pb_grpc.PdserveServicer):
         self,
         *,
         tokenizer: PromptTokenizer,
+        chat_encoder: SessionChatEncoder,
         limits: ModelLimits,
         block_size: int,
         orchestrator: Orchestrator,
@@ -68,6 +70,7 @@ class PdserveService(pb_grpc.PdserveServicer):
         cluster_status: Callable[[], Awaitable[list[pb.Replica]]],
     ) -> None:
         self._tokenizer = tokenizer
+        self._chat = chat_encoder
         self._limits = limits
         self._block_size = block_size
         self._orchestrator = orchestrator
@@ -103,7 +106,7 @@ class PdserveService(pb_grpc.PdserveServicer):
     async def _generate(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
         try:
             valid = validate_generate(request, self._limits)
-            prompt_ids = await self._encode(valid.input)
+            prompt_ids = await self._encode(valid.input, valid.session_id or None)
             check_prompt_length(len(prompt_ids), valid.sampling, self._limits, input_field=valid.input.kind)
         except (InvalidRequest, ChatInputError) as exc:
             raise _Aborted(grpc.StatusCode.INVALID_ARGUMENT, f"{exc.field}: {exc.message}") from exc
@@ -139,13 +142,14 @@ class PdserveService(pb_grpc.PdserveServicer):
         finally:
             self._router.finish(request_id)
 
-    async def _encode(self, prompt: PromptInput) -> list[int]:
+    async def _encode(self, prompt: PromptInput, session_id: str | None = None) -> list[int]:
         # Tokenizing a long prompt takes milliseconds of CPU: keep it off the event loop.
         if prompt.kind == "prompt_token_ids":
             return list(prompt.prompt_token_ids)
         if prompt.kind == "prompt":
             return await asyncio.to_thread(self._tokenizer.encode_text, prompt.prompt)
-        return await asyncio.to_thread(self._tokenizer.encode_chat, prompt.messages, prompt.tools)
+        # A session's chat is encoded incrementally: only the text its new turn appended.
+        return await asyncio.to_thread(self._chat.encode, session_id, prompt.messages, prompt.tools)
 
     def _record(self, c: Completion, first_token_at: float | None, started: float) -> None:
         m = self._metrics

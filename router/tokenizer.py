@@ -105,6 +105,11 @@ class PromptTokenizer:
         self._lock = threading.Lock()
 
     @property
+    def hf_tokenizer(self) -> Any:
+        """The underlying Hugging Face tokenizer (for inspection; calls into it must hold no other lock)."""
+        return self._tokenizer
+
+    @property
     def vocab_size(self) -> int:
         """Number of token ids the tokenizer knows, added special tokens included."""
         return len(self._tokenizer)
@@ -137,7 +142,10 @@ class PromptTokenizer:
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
     ) -> list[int]:
         """Token ids of the rendered chat; the template itself writes any BOS and role tokens."""
-        text = self.render_chat(messages, tools)
+        return self.encode_rendered(self.render_chat(messages, tools))
+
+    def encode_rendered(self, text: str) -> list[int]:
+        """Token ids of chat-template output (or a piece of it): no special tokens added."""
         with self._lock:
             return list(self._tokenizer.encode(text, add_special_tokens=False))
 

@@ -71,6 +71,9 @@ def test_next_turn_goes_to_the_decode_replica_holding_the_session_and_skips_pref
         messages=conversation(2), session_id="agent-1", max_tokens=8, temperature=0.0
     )
     assert second.served_by.decode_replica == first.served_by.decode_replica
+    # The session's turn was tokenized incrementally (only the appended messages): the same ids as a full
+    # tokenization of the conversation.
+    assert second.usage.prompt_tokens == len(client.tokenize(messages=conversation(2)).token_ids)
     # The decode replica held all but the new suffix: it prefilled locally, no prefill leg, no KV moved.
     assert second.served_by.path == pb.SERVING_PATH_LOCAL_PREFILL
     assert second.served_by.prefill_replica == ""
