@@ -5,11 +5,11 @@ Setup: a KvIndex holding `--indexed-blocks` blocks (default 1M) spread over the 
 BlockStored-style calls (so the index is hashed exactly as in production); half the replicas are prefill, half
 decode. Cases: a session's first turn (a new prompt sharing half of an indexed prompt: full hash of the
 prompt) and its next turn (the previous prompt plus `--turn-tokens` new tokens: only the new blocks are
-hashed). As in a live agent loop, the next turn's token ids are new int objects (re-tokenized) and the index
-has learned where the first turn's blocks were stored (the engines' KV events) before it arrives; the flags
-`--reuse-token-objects` and `--static-index` turn either off. Prints p50/p99 in microseconds per case, wall
-clock and this thread's CPU time (on a shared machine the wall-clock tail is dominated by the OS preempting
-the process; CPU time is the decision's own cost), the index's memory per block, and the CPU of
+hashed). As in a live agent loop, the next turn's token ids come as the router's incremental chat encoder
+gives them (`--next-turn-ids`), and the index has learned where the first turn's blocks were stored (the
+engines' KV events) before it arrives (`--static-index` turns that off). Prints p50/p99 in microseconds per
+case, wall clock and this thread's CPU time (on a shared machine the wall-clock tail is dominated by the OS
+preempting the process; CPU time is the decision's own cost), the index's memory per block, and the CPU of
 `SessionHasher.seal`, which the live router runs when a turn finishes (off the decision's path) so that the
 next turn's prefix check is one tuple hash.
 
@@ -72,7 +72,7 @@ def run_case(
     iters: int,
     turn_tokens: int,
     rng: np.random.Generator,
-    reuse_token_objects: bool = False,
+    next_turn_ids: str = "incremental",
     static_index: bool = False,
 ) -> dict[str, list[float]]:
     tracker = LoadTracker()
@@ -88,9 +88,12 @@ def run_case(
         shared = doc[: min(len(doc), prompt_tokens) // 2]
         prompt = shared + rng.integers(0, 150_000, prompt_tokens - len(shared)).tolist()
         turn2 = prompt + rng.integers(0, 150_000, turn_tokens).tolist()
-        if not reuse_token_objects:
-            # A live router re-tokenizes every turn: the next prompt's ints are new objects, so the session
-            # hasher's check against the previous prompt cannot stop at object identity.
+        if next_turn_ids == "incremental":
+            # The live router's chat encoder reuses the previous turn's ids up to its generation prompt
+            # (the last few ids, re-encoded) and encodes what follows: new int objects from there on.
+            turn2 = prompt[:-3] + np.array(turn2[len(prompt) - 3 :]).tolist()
+        elif next_turn_ids == "retokenized":
+            # Every id a new int object (a client sending token ids, or a full re-tokenization).
             turn2 = np.array(turn2).tolist()
         sid = f"s{it}"
         for toks, case in ((prompt, "first"), (turn2, "next")):
@@ -139,10 +142,11 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--turn-tokens", type=int, default=256)
     ap.add_argument(
-        "--reuse-token-objects",
-        action="store_true",
-        help="next turn's token list reuses the previous turn's int objects (default: new objects, as a live "
-        "router's tokenizer produces)",
+        "--next-turn-ids",
+        choices=["incremental", "retokenized", "same"],
+        default="incremental",
+        help="the next turn's token ids: as the router's incremental chat encoder gives them (default), all "
+        "new int objects, or the previous turn's list extended",
     )
     ap.add_argument(
         "--static-index",
@@ -183,7 +187,7 @@ def main() -> None:
                     iters,
                     args.turn_tokens,
                     rng,
-                    args.reuse_token_objects,
+                    args.next_turn_ids,
                     args.static_index,
                 )
             finally:

@@ -45,9 +45,11 @@ def hash_blocks(token_ids: Sequence[int], block_size: int, parent: int | None = 
 
 
 def _shares_int_objects(a: list[int], b: list[int]) -> bool:
-    """Whether two equal-length token lists look like they hold the same int objects: judged by the last of
-    the final 64 ids above 256 (CPython caches ints up to 256, so a small id's identity says nothing)."""
-    for i in range(len(b) - 1, max(len(b) - 64, 0) - 1, -1):
+    """Whether two equal-length token lists look like they hold the same int objects, judged at the first id
+    above 256 from the middle on (CPython caches ints up to 256, so a small id's identity says nothing). The
+    middle, not the end: an incrementally tokenized turn re-encodes the last few ids of the previous one."""
+    start = len(b) // 2
+    for i in range(start, min(start + 64, len(b))):
         if b[i] > 256:
             return a[i] is b[i]
     return True
