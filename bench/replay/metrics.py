@@ -17,9 +17,12 @@ class PolicyResult(msgspec.Struct, kw_only=True):
     hit_ratio: float
     bound: float
     hit_vs_bound: float
-    # Prompt tokens computed per prefill replica, and their max/mean (1.0 = perfectly even).
+    # Prompt tokens computed per prefill replica, and their max/mean (1.0 = perfectly even): over the whole
+    # replay, and over the requests that arrived in the measurement window (the steady load that utilisation
+    # and latency are measured at, without the drain of the last sessions).
     prefill_tokens: list[int]
     load_max_over_mean: float
+    load_max_over_mean_window: float
     # Prompt tokens computed by decode replicas (local prefills), all replicas together.
     decode_local_prefill_tokens: int
     prefill_tokens_total: int
@@ -57,6 +60,11 @@ def summarize(
     d_tokens = sum(sim.computed_tokens(sim.decode))
     total = sum(p_tokens) + d_tokens
     mean_p = sum(p_tokens) / len(p_tokens) if p_tokens else 0.0
+    in_window = dict.fromkeys((s.replica_id for s in sim.prefill), 0)
+    for r in records:
+        if r.in_window and r.prefill_replica in in_window:
+            in_window[r.prefill_replica] += r.computed_tokens
+    mean_w = sum(in_window.values()) / len(in_window) if in_window else 0.0
     window = sim.window_end or 0.0
     busy = sim.busy_time([s.replica_id for s in sim.prefill], window) if window > 0 else []
     utils = [b / window for b in busy] if window > 0 else [0.0]
@@ -72,6 +80,7 @@ def summarize(
         hit_vs_bound=hit_ratio / bound if bound else math.nan,
         prefill_tokens=p_tokens,
         load_max_over_mean=max(p_tokens) / mean_p if mean_p else math.nan,
+        load_max_over_mean_window=max(in_window.values()) / mean_w if mean_w else math.nan,
         decode_local_prefill_tokens=d_tokens,
         prefill_tokens_total=total,
         local_prefill_share=sum(r.local_prefill for r in records) / len(records) if records else 0.0,
@@ -94,6 +103,7 @@ def format_table(results: Sequence[PolicyResult]) -> str:
         ("hit", "{:>6.3f}", lambda r: r.hit_ratio),
         ("hit/bnd", "{:>7.3f}", lambda r: r.hit_vs_bound),
         ("max/mean", "{:>8.3f}", lambda r: r.load_max_over_mean),
+        ("mm_win", "{:>6.3f}", lambda r: r.load_max_over_mean_window),
         ("Mtok", "{:>8.1f}", lambda r: r.prefill_tokens_total / 1e6),
         ("local", "{:>6.2f}", lambda r: r.local_prefill_share),
         ("util", "{:>5.2f}", lambda r: r.prefill_util),
