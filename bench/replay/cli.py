@@ -16,12 +16,13 @@ from pathlib import Path
 
 import msgspec
 
+from bench.replay.bounds import belady_hit_ratio, pooled_lru_hit_ratio
 from bench.replay.metrics import PolicyResult, format_table
 from bench.replay.policies import select
 from bench.replay.runner import run_policy, set_load
 from bench.replay.sim import SimConfig
 from bench.replay.timing import DEFAULT_CALIBRATION, model_from_calibration
-from bench.replay.traces import DEFAULT_TRACES_DIR, infinite_cache_hit_ratio, load_trace
+from bench.replay.traces import DEFAULT_TRACES_DIR, Trace, infinite_cache_hit_ratio, load_trace
 
 
 class ReplayReport(msgspec.Struct, kw_only=True):
@@ -59,6 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gap-scale", type=float, default=1.0, help="multiplies every tool/think gap")
     p.add_argument("--max-gap-s", type=float, default=300.0, help="caps every tool/think gap (s)")
     p.add_argument("--policies", default="all", help="'all' or comma-separated names")
+    p.add_argument(
+        "--bounds",
+        action="store_true",
+        help="also print the hit-ratio ceilings of pooled caches (bench.replay.bounds; ~10-30 s)",
+    )
     p.add_argument("--json", type=Path, default=None, help="write the full report here")
     return p
 
@@ -81,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         f"infinite-cache bound {bound:.4f}",
         flush=True,
     )
+    if args.bounds:
+        _print_bounds(trace, capacity, args.replicas, args.decode_replicas or args.replicas, bound)
     cfg = SimConfig(
         prefill_replicas=args.replicas,
         decode_replicas=args.decode_replicas or args.replicas,
@@ -129,6 +137,17 @@ def main(argv: list[str] | None = None) -> int:
         )
         args.json.write_bytes(msgspec.json.format(msgspec.json.encode(report)))
     return 0
+
+
+def _print_bounds(trace: Trace, capacity: int, prefill: int, decode: int, bound: float) -> None:
+    for what, n in (("the prefill caches", prefill), ("all caches", prefill + decode)):
+        lru = pooled_lru_hit_ratio(trace, capacity * n)
+        opt = belady_hit_ratio(trace, capacity * n)
+        print(
+            f"ceiling with {what} pooled ({n} x {capacity} blocks): LRU {lru:.4f} ({lru / bound:.3f} of the "
+            f"bound), optimal replacement {opt:.4f} ({opt / bound:.3f})",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

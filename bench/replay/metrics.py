@@ -33,6 +33,9 @@ class PolicyResult(msgspec.Struct, kw_only=True):
     window_s: float
     ttft_p50_s: float
     ttft_p99_s: float
+    # Per request, mean time per output token after the first: what prefills on decode replicas slow down.
+    tpot_p50_s: float
+    tpot_p99_s: float
     queue_p50_s: float
     queue_p99_s: float
     # Router belief vs simulated engine: mean |predicted - actual| cached tokens per request.
@@ -71,6 +74,7 @@ def summarize(
     measured = [r for r in records if r.in_window]
     ttft = [r.ttft for r in measured]
     wait = [r.queue_wait for r in measured]
+    tpot = [t for t in (r.tpot for r in measured) if t is not None]
     pred_err = [abs(r.predicted_cached_tokens - r.cached_tokens) for r in records]
     return PolicyResult(
         policy=name,
@@ -89,6 +93,8 @@ def summarize(
         window_s=window,
         ttft_p50_s=percentile(ttft, 50),
         ttft_p99_s=percentile(ttft, 99),
+        tpot_p50_s=percentile(tpot, 50),
+        tpot_p99_s=percentile(tpot, 99),
         queue_p50_s=percentile(wait, 50),
         queue_p99_s=percentile(wait, 99),
         prediction_error_tokens=sum(pred_err) / len(pred_err) if pred_err else 0.0,
@@ -109,6 +115,8 @@ def format_table(results: Sequence[PolicyResult]) -> str:
         ("util", "{:>5.2f}", lambda r: r.prefill_util),
         ("ttft50", "{:>7.2f}", lambda r: r.ttft_p50_s),
         ("ttft99", "{:>7.2f}", lambda r: r.ttft_p99_s),
+        ("tpot50ms", "{:>8.1f}", lambda r: 1e3 * r.tpot_p50_s),
+        ("tpot99ms", "{:>8.1f}", lambda r: 1e3 * r.tpot_p99_s),
         ("q50", "{:>6.2f}", lambda r: r.queue_p50_s),
         ("q99", "{:>7.2f}", lambda r: r.queue_p99_s),
         ("dec_us", "{:>6.0f}", lambda r: r.decision_us_mean),

@@ -76,6 +76,7 @@ class RequestRecord(msgspec.Struct, kw_only=True):
     session_id: str
     arrival: float
     num_blocks: int
+    output_tokens: int = 0
     prefill_replica: str | None = None
     decode_replica: str = ""
     local_prefill: bool = False
@@ -93,6 +94,13 @@ class RequestRecord(msgspec.Struct, kw_only=True):
     @property
     def ttft(self) -> float:
         return self.first_token - self.arrival
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean seconds per output token after the first (None with fewer than two)."""
+        if self.output_tokens < 2:
+            return None
+        return (self.finish - self.first_token) / (self.output_tokens - 1)
 
     @property
     def queue_wait(self) -> float:
@@ -246,7 +254,11 @@ class Simulator:
             max_tokens=r.num_output_tokens,
         )
         rec = RequestRecord(
-            request_id=r.request_id, session_id=r.session_id, arrival=0.0, num_blocks=len(r.block_hashes)
+            request_id=r.request_id,
+            session_id=r.session_id,
+            arrival=0.0,
+            num_blocks=len(r.block_hashes),
+            output_tokens=r.num_output_tokens,
         )
         return _Job(r, route, rec)
 

@@ -219,6 +219,17 @@ def test_closed_loop_sends_the_next_turn_a_gap_after_the_previous_reply() -> Non
     assert policy.finished == ["s0/0", "s0/1", "s0/2"]
 
 
+def test_a_lone_sequence_decodes_at_the_models_single_sequence_pace() -> None:
+    trace = make_trace([[[1, 2, 3]]], closed_loop=True)
+    cfg = SimConfig(prefill_replicas=1, decode_replicas=1, concurrency=1, stagger_s=0.0)
+    sim = simulate(trace, cfg)
+    (rec,) = sim.records
+    assert rec.output_tokens == 4
+    assert rec.tpot == pytest.approx(cfg.timing.tpot_s(1, 3 * BLOCK + 1))
+    result = summarize("first", sim, sim.records, infinite_cache_hit_ratio(trace), 0.0)
+    assert result.tpot_p50_s == result.tpot_p99_s == pytest.approx(rec.tpot)
+
+
 def test_gaps_are_capped_and_scaled() -> None:
     trace = make_trace([[[1], [1, 2]]], closed_loop=True, gaps=1000.0)
     cfg = SimConfig(
