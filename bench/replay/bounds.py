@@ -7,6 +7,10 @@
   the prefill pool's caches pooled are the mark for prefill hits unless turns are prefilled on decode.
 - `belady_hit_ratio`: the same pooled capacity with optimal replacement (evict the block needed furthest in
   the future, per block): what capacity alone allows, whatever the eviction policy.
+
+Order: open-loop traces (Mooncake) in arrival order, as replayed. Closed-loop traces (agent sessions) session
+after session, the order of the infinite-cache bound: the replay interleaves its concurrent sessions, so for
+them these ceilings are optimistic (one session at a time never evicts another's prefix).
 """
 
 from __future__ import annotations
