@@ -61,6 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-gap-s", type=float, default=300.0, help="caps every tool/think gap (s)")
     p.add_argument("--policies", default="all", help="'all' or comma-separated names")
     p.add_argument(
+        "--local-prefill-max-tokens",
+        type=int,
+        default=None,
+        help="pdserve's router.local_prefill_max_tokens (default: the policy's, 512): a decode replica "
+        "holding all but this many prompt tokens prefills the rest itself",
+    )
+    p.add_argument(
         "--bounds",
         action="store_true",
         help="also print the hit-ratio ceilings of pooled caches (bench.replay.bounds; ~10-30 s)",
@@ -71,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    policies = select(args.policies)
+    policies = select(args.policies, args.local_prefill_max_tokens)
     limit = args.sessions if args.trace == "claude-code" else args.requests
     trace = load_trace(
         args.trace, args.traces_dir, block_tokens=args.block_tokens, limit=limit, seed=args.seed
@@ -102,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     if fixed is not None:
         cfg = msgspec.structs.replace(cfg, **{"concurrency" if trace.closed_loop else "time_scale": fixed})
     else:
-        ref = select(args.reference_policy)
+        ref = select(args.reference_policy, args.local_prefill_max_tokens)
         cfg = set_load(
             trace,
             cfg,

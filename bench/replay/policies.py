@@ -22,14 +22,18 @@ from router.policy.types import Policy
 PolicyFactory = Callable[[ServiceTimeModel], Policy]
 
 
-def _pdserve(timing: ServiceTimeModel) -> Policy:
-    return PdservePolicy(PdservePolicyConfig(weights=CostWeights(timing=timing)))
+def available_policies(local_prefill_max_tokens: int | None = None) -> dict[str, PolicyFactory]:
+    """Name -> factory; `local_prefill_max_tokens` is pdserve's (None: PdservePolicyConfig's default)."""
+    base = PdservePolicyConfig()
+    local = base.local_prefill_max_tokens if local_prefill_max_tokens is None else local_prefill_max_tokens
 
+    def pdserve(timing: ServiceTimeModel) -> Policy:
+        return PdservePolicy(
+            PdservePolicyConfig(weights=CostWeights(timing=timing), local_prefill_max_tokens=local)
+        )
 
-def available_policies() -> dict[str, PolicyFactory]:
-    """Name -> factory."""
     return {
-        "pdserve": _pdserve,
+        "pdserve": pdserve,
         "round_robin": lambda _: RoundRobinPolicy(),
         "least_loaded": lambda _: LeastLoadedPolicy(),
         # SGLang cache-aware: cache threshold / balance abs / balance rel = Rust router defaults
@@ -40,9 +44,9 @@ def available_policies() -> dict[str, PolicyFactory]:
     }
 
 
-def select(names: str) -> dict[str, PolicyFactory]:
+def select(names: str, local_prefill_max_tokens: int | None = None) -> dict[str, PolicyFactory]:
     """`all` or a comma-separated list of names."""
-    known = available_policies()
+    known = available_policies(local_prefill_max_tokens)
     if names == "all":
         return known
     chosen = [n.strip() for n in names.split(",") if n.strip()]
