@@ -137,12 +137,14 @@ def _prompt_input(
 
 
 def _token_ids(token_ids: Sequence[int], limits: ModelLimits) -> list[int]:
-    ids = [int(t) for t in token_ids]
-    for i, token in enumerate(ids):
-        if token >= limits.vocab_size:
-            raise InvalidRequest(
-                f"prompt_token_ids[{i}]", f"token id {token} is not below vocab_size {limits.vocab_size}"
-            )
+    # uint32 in the proto: never negative. max() is one C-level pass; the index is looked for only when an id
+    # is out of range (a per-id Python loop cost ~1 ms for an 8k-token prompt).
+    ids = list(token_ids)
+    if ids and max(ids) >= limits.vocab_size:
+        i = next(i for i, token in enumerate(ids) if token >= limits.vocab_size)
+        raise InvalidRequest(
+            f"prompt_token_ids[{i}]", f"token id {ids[i]} is not below vocab_size {limits.vocab_size}"
+        )
     return ids
 
 

@@ -85,6 +85,11 @@ INVALID: list[tuple[str, pb.GenerateRequest, str]] = [
         generate(prompt="", prompt_token_ids=[5, 2047, 2048]),
         "prompt_token_ids[2]",
     ),
+    (
+        "the first of several token ids past the vocabulary is named",
+        generate(prompt="", prompt_token_ids=[5, 9000, 2048]),
+        "prompt_token_ids[1]",
+    ),
     ("unknown model", generate(model="gpt-5"), "model"),
     ("max_tokens zero", generate(sampling={"max_tokens": 0}), "sampling.max_tokens"),
     ("max_tokens negative", generate(sampling={"max_tokens": -4}), "sampling.max_tokens"),
