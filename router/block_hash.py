@@ -56,12 +56,15 @@ def _shares_int_objects(a: list[int], b: list[int]) -> bool:
 
 
 class _SessionEntry:
-    __slots__ = ("digest", "hashes", "n_full", "tokens")
+    __slots__ = ("digest", "hashes", "n_full", "shares_objects", "tokens")
 
-    def __init__(self, tokens: list[int], n_full: int, hashes: list[int]) -> None:
+    def __init__(self, tokens: list[int], n_full: int, hashes: list[int], shares_objects: bool) -> None:
         self.tokens = tokens  # the previous turn's prompt; its first `n_full` tokens fill whole blocks
         self.n_full = n_full
         self.hashes = hashes
+        # This turn's ids were the previous turn's int objects (the incremental chat encoder's): the next
+        # turn's check will be an identity compare, so `seal` need not compute a digest.
+        self.shares_objects = shares_objects
         # hash(tuple(tokens)), computed by `SessionHasher.seal` once the turn's decision is made.
         self.digest: int | None = None
 
@@ -115,7 +118,7 @@ class SessionHasher:
         bs = self.block_size
         n_full = len(token_ids) // bs * bs
         entry = None if session_id is None else self._sessions.get(session_id)
-        reuse = 0 if entry is None else self._reusable_blocks(entry, token_ids, n_full)
+        reuse, shared = (0, False) if entry is None else self._reusable_blocks(entry, token_ids, n_full)
         if reuse:
             assert entry is not None
             new = hash_blocks(token_ids[reuse * bs : n_full], bs, parent=entry.hashes[reuse - 1])
@@ -132,15 +135,16 @@ class SessionHasher:
             return own
         # The session keeps its own list of the hashes (the caller may mutate what it gets back), and the
         # tokens by reference (a copy of a long prompt would cost as much as the comparison).
-        self._remember(session_id, token_ids, n_full, own)
+        self._remember(session_id, _SessionEntry(token_ids, n_full, own, shared))
         return own.copy()
 
     def seal(self, session_id: str | None) -> None:
         """Store the digest of the session's latest prompt for the next turn's check. Call it after the
         turn's routing decision (its cost, about that of hashing the prompt as one tuple, is off the
-        decision's path)."""
+        decision's path). Skipped when the prompt held the previous turn's int objects: that session's next
+        check is an identity compare."""
         entry = None if session_id is None else self._sessions.get(session_id)
-        if entry is not None and entry.digest is None:
+        if entry is not None and entry.digest is None and not entry.shares_objects:
             entry.digest = hash(tuple(entry.tokens))
 
     def forget(self, session_id: str) -> None:
@@ -148,13 +152,14 @@ class SessionHasher:
         if entry is not None:
             self._cached_tokens -= entry.n_full
 
-    def _reusable_blocks(self, entry: _SessionEntry, token_ids: list[int], n_full: int) -> int:
-        """Number of leading full blocks shared with the cached turn."""
+    def _reusable_blocks(self, entry: _SessionEntry, token_ids: list[int], n_full: int) -> tuple[int, bool]:
+        """Number of leading full blocks shared with the cached turn, and whether the new prompt holds the
+        cached turn's int objects."""
         bs = self.block_size
         n_prev = min(entry.n_full, n_full)
         prev = entry.tokens
         if prev is token_ids:
-            return n_prev // bs
+            return n_prev // bs, True
         # The usual next turn extends the whole previous prompt.
         if len(prev) <= len(token_ids):
             head = token_ids[: len(prev)]
@@ -163,9 +168,9 @@ class SessionHasher:
             shared = _shares_int_objects(head, prev)
             same = head == prev if shared or entry.digest is None else hash(tuple(head)) == entry.digest
             if same:
-                return n_prev // bs
+                return n_prev // bs, shared
         if token_ids[:n_prev] == prev[:n_prev]:
-            return n_prev // bs
+            return n_prev // bs, False
         # Coarse scan by chunks of blocks, then block by block inside the first differing chunk.
         chunk = self._SCAN_CHUNK_BLOCKS * bs
         start = 0
@@ -173,16 +178,16 @@ class SessionHasher:
             start += chunk
         while start + bs <= n_prev and token_ids[start : start + bs] == prev[start : start + bs]:
             start += bs
-        return start // bs
+        return start // bs, False
 
-    def _remember(self, session_id: str, tokens: list[int], n_full: int, hashes: list[int]) -> None:
+    def _remember(self, session_id: str, entry: _SessionEntry) -> None:
         old = self._sessions.pop(session_id, None)
         if old is not None:
             self._cached_tokens -= old.n_full
-        if n_full > self.max_tokens:
+        if entry.n_full > self.max_tokens:
             return  # a single prompt larger than the whole budget is not cached
-        self._sessions[session_id] = _SessionEntry(tokens, n_full, hashes)
-        self._cached_tokens += n_full
+        self._sessions[session_id] = entry
+        self._cached_tokens += entry.n_full
         while len(self._sessions) > self.max_sessions or self._cached_tokens > self.max_tokens:
             _, evicted = self._sessions.popitem(last=False)
             self._cached_tokens -= evicted.n_full

@@ -145,7 +145,7 @@ class PdserveService(pb_grpc.PdserveServicer):
     async def _encode(self, prompt: PromptInput, session_id: str | None = None) -> list[int]:
         # Tokenizing a long prompt takes milliseconds of CPU: keep it off the event loop.
         if prompt.kind == "prompt_token_ids":
-            return list(prompt.prompt_token_ids)
+            return prompt.prompt_token_ids  # validation built this request's own list
         if prompt.kind == "prompt":
             return await asyncio.to_thread(self._tokenizer.encode_text, prompt.prompt)
         # A session's chat is encoded incrementally: only the text its new turn appended.

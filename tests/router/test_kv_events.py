@@ -203,6 +203,18 @@ def _prompt_event(seed: int, n_blocks: int = 2) -> tuple[vllm_ev.KVEventBatch, l
     return _batch(_stored(hashes, None, toks)), hash_blocks(toks, BS)  # type: ignore[arg-type]
 
 
+async def _subscribed(
+    index: KvIndex, port: int, replay_port: int | None
+) -> tuple[KvEventSubscriber, asyncio.Task[None]]:
+    """Replica r0's subscriber, running and connected (plus a moment for the SUB socket to establish)."""
+    replay = None if replay_port is None else f"tcp://127.0.0.1:{replay_port}"
+    sub = KvEventSubscriber("r0", f"tcp://127.0.0.1:{port}", replay, index, topic="kv", replay_timeout_s=10.0)
+    task = asyncio.create_task(sub.run())
+    await sub.wait_connected()
+    await asyncio.sleep(0.3)
+    return sub, task
+
+
 async def test_subscriber_replays_missed_batches_and_handles_restart() -> None:
     port, rport = _free_port(), _free_port()
     index = KvIndex(BS)
@@ -213,17 +225,7 @@ async def test_subscriber_replays_missed_batches_and_handles_restart() -> None:
         pub.publish(a)  # seq 0 and 1: published before anyone subscribes, so lost on the PUB socket
         pub.publish(b)
         await _sent(pub)
-        sub = KvEventSubscriber(
-            "r0",
-            f"tcp://127.0.0.1:{port}",
-            f"tcp://127.0.0.1:{rport}",
-            index,
-            topic="kv",
-            replay_timeout_s=10.0,
-        )
-        task = asyncio.create_task(sub.run())
-        await sub.wait_connected()
-        await asyncio.sleep(0.3)  # let the SUB connection establish
+        sub, task = await _subscribed(index, port, rport)
         c, hc = _prompt_event(3)
         pub.publish(c)  # seq 2 arrives live: gap 0..1 -> replay
         await _wait_for(lambda: index.matched_blocks(hc, ["r0"])["r0"] == 2)
@@ -260,17 +262,7 @@ async def test_subscriber_clears_replica_when_replay_buffer_lost_the_range() -> 
         for s in (1, 2, 3):
             pub.publish(_prompt_event(s)[0])  # seq 0..2, only seq 2 stays in the 1-deep buffer
         await _sent(pub)
-        sub = KvEventSubscriber(
-            "r0",
-            f"tcp://127.0.0.1:{port}",
-            f"tcp://127.0.0.1:{rport}",
-            index,
-            topic="kv",
-            replay_timeout_s=10.0,
-        )
-        task = asyncio.create_task(sub.run())
-        await sub.wait_connected()
-        await asyncio.sleep(0.3)
+        sub, task = await _subscribed(index, port, rport)
         ev, h = _prompt_event(9)
         pub.publish(ev)  # seq 3 live; replay from 0 yields only seq 3
         await _wait_for(lambda: index.matched_blocks(h, ["r0"])["r0"] == 2)
@@ -292,12 +284,7 @@ async def test_subscriber_without_replay_endpoint_clears_on_gap() -> None:
     try:
         pub.publish(_prompt_event(1)[0])
         await _sent(pub)
-        sub = KvEventSubscriber(
-            "r0", f"tcp://127.0.0.1:{port}", None, index, topic="kv", replay_timeout_s=10.0
-        )
-        task = asyncio.create_task(sub.run())
-        await sub.wait_connected()
-        await asyncio.sleep(0.3)
+        sub, task = await _subscribed(index, port, None)
         ev, h = _prompt_event(5)
         pub.publish(ev)
         await _wait_for(lambda: index.matched_blocks(h, ["r0"])["r0"] == 2)
