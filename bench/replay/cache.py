@@ -2,7 +2,9 @@
 
 Like vLLM's prefix cache, a hit is a prefix: the leading blocks of a prompt that are present, up to the
 first missing one. Inserting (or hitting) blocks makes them most recently used; when full, the least
-recently used block is evicted. Every insertion is reported as BlockStored and every eviction as
+recently used block is evicted. Within one prompt the tail is older than the head, as in vLLM (it frees a
+request's blocks in reverse order so that tail blocks are evicted first): a chain is lost from its end,
+never leaving a tail whose head is gone. Every insertion is reported as BlockStored and every eviction as
 BlockRemoved, to whoever listens (the simulator forwards them to the router's KvIndex), so the router sees
 what it would see live. Blocks of running requests are not pinned: with a capacity large against one prompt,
 that rarely matters, and it keeps the model simple (documented approximation)."""
@@ -54,11 +56,9 @@ class LruBlockCache:
 
     def access(self, block_hashes: Sequence[int]) -> int:
         """A request computes this prompt here: returns its cached prefix length (blocks), then holds all
-        of its blocks, most recently used, evicting as needed."""
+        of its blocks, most recently used (the head most recent), evicting as needed."""
         hits = self.prefix_hits(block_hashes)
         blocks = self._blocks
-        for h in block_hashes[:hits]:
-            blocks.move_to_end(h)
         # New blocks are announced in contiguous runs, each with its parent, as the engine does.
         run: list[int] = []
         run_parent: int | None = block_hashes[hits - 1] if hits else None
@@ -66,7 +66,6 @@ class LruBlockCache:
             h = block_hashes[i]
             if h in blocks:
                 # Present past the first miss (its prefix was evicted): recomputed, kept, already announced.
-                blocks.move_to_end(h)
                 self._announce(run, run_parent)
                 run = []
                 run_parent = h
@@ -74,6 +73,8 @@ class LruBlockCache:
                 blocks[h] = None
                 run.append(h)
         self._announce(run, run_parent)
+        for h in reversed(block_hashes):
+            blocks.move_to_end(h)
         self._evict()
         return hits
 

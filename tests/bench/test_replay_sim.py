@@ -123,10 +123,19 @@ def test_lru_evicts_least_recently_used_block_first() -> None:
     c = LruBlockCache("r", 4, ev)
     assert c.access([1, 2]) == 0
     assert c.access([3, 4]) == 0
-    assert c.access([1]) == 1  # 1 becomes most recent: order 2, 3, 4, 1
+    assert c.access([1]) == 1  # 1 becomes most recent: order 2, 4, 3, 1
     c.access([5, 6])
-    assert c.lru_order() == [4, 1, 5, 6]
-    assert ev.removed == [("r", [2, 3])]
+    assert c.lru_order() == [3, 1, 6, 5]
+    assert ev.removed == [("r", [2, 4])]
+
+
+def test_a_prompts_tail_is_evicted_before_its_head() -> None:
+    # vLLM frees a request's blocks tail first; evicting the head first would leave a tail no prefix reaches.
+    c = LruBlockCache("r", 4)
+    c.access([1, 2, 3, 4])
+    assert c.lru_order() == [4, 3, 2, 1]
+    c.access([9])
+    assert c.prefix_hits([1, 2, 3, 4]) == 3
 
 
 def test_hits_are_a_prefix_and_stop_at_the_first_missing_block() -> None:
@@ -185,8 +194,8 @@ def test_prefill_load_balance_is_reported_over_the_replay_and_over_the_window() 
 def test_a_small_cache_loses_hits_and_counts_them_where_the_prompt_is_computed() -> None:
     prompts = [[[1, 2, 3, 4], [1, 2, 3, 4, 5]], [[6, 7, 8, 9], [6, 7, 8, 9, 10]]]
     trace = make_trace(prompts, closed_loop=False, arrivals=[0.0, 100.0, 1.0, 101.0])
-    # Capacity 5: session 1's first turn (t=1) evicts most of session 0's blocks before its second turn.
-    sim = simulate(trace, SimConfig(prefill_replicas=1, decode_replicas=1, capacity_blocks=5))
+    # Capacity 4: session 1's first turn (t=1) evicts all of session 0's blocks before its second turn.
+    sim = simulate(trace, SimConfig(prefill_replicas=1, decode_replicas=1, capacity_blocks=4))
     by_id = {r.request_id: r for r in sim.records}
     assert by_id["s0/1"].cached_blocks == 0
     assert by_id["s1/1"].cached_blocks == 0  # its blocks were evicted by s0/1 in turn
