@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-from router.block_hash import SessionHasher
+from router.block_hash import PromptReuse, SessionHasher
 from router.kv_index import KvIndex
 from router.load import LoadTracker
 from router.policy.selector import PdservePolicy
@@ -88,10 +88,13 @@ def run_case(
         shared = doc[: min(len(doc), prompt_tokens) // 2]
         prompt = shared + rng.integers(0, 150_000, prompt_tokens - len(shared)).tolist()
         turn2 = prompt + rng.integers(0, 150_000, turn_tokens).tolist()
+        reuse = None
         if next_turn_ids == "incremental":
             # The live router's chat encoder reuses the previous turn's ids up to its generation prompt
-            # (the last few ids, re-encoded) and encodes what follows: new int objects from there on.
+            # (the last few ids, re-encoded) and encodes what follows: new int objects from there on. It
+            # says so (PromptReuse), and the hasher takes its word instead of comparing.
             turn2 = prompt[:-3] + np.array(turn2[len(prompt) - 3 :]).tolist()
+            reuse = PromptReuse(prompt, len(prompt) - 3)
         elif next_turn_ids == "retokenized":
             # Every id a new int object (a client sending token ids, or a full re-tokenization).
             turn2 = np.array(turn2).tolist()
@@ -99,7 +102,7 @@ def run_case(
         for toks, case in ((prompt, "first"), (turn2, "next")):
             c0 = time.thread_time()
             t0 = time.perf_counter()
-            hashes = hasher.hash(sid, toks)
+            hashes = hasher.hash(sid, toks, reuse if case == "next" else None)
             req = RouteRequest(
                 request_id=f"{sid}-{case}",
                 session_id=sid,

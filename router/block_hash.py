@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import NamedTuple
 
 # Fixed parent of every chain's first block (any constant works; this one is "pdserve" in ASCII).
 ROOT_PARENT = 0x7064736572766500
@@ -42,6 +43,14 @@ def hash_blocks(token_ids: Sequence[int], block_size: int, parent: int | None = 
         h = hash((h, *token_ids[start : start + block_size]))
         append(h)
     return out
+
+
+class PromptReuse(NamedTuple):
+    """A prompt's provenance from whoever built it: its first `tokens` ids are `base`'s first `tokens` (copied
+    from that very list, e.g. by the incremental chat encoder), so nothing before them needs comparing."""
+
+    base: list[int]
+    tokens: int
 
 
 def _shares_int_objects(a: list[int], b: list[int]) -> bool:
@@ -107,18 +116,27 @@ class SessionHasher:
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def hash(self, session_id: str | None, token_ids: Sequence[int]) -> list[int]:
+    def hash(
+        self, session_id: str | None, token_ids: Sequence[int], reuse_hint: PromptReuse | None = None
+    ) -> list[int]:
         """Block hashes of `token_ids` (same result as `hash_blocks(token_ids, block_size)`).
 
         With a session, `token_ids` (when a list) is kept by reference for the next turn's comparison:
-        the caller must not mutate it afterwards (a prompt's token list never is). The returned list is the
-        caller's own."""
+        the caller must not mutate it afterwards (a prompt's token list never is). `reuse_hint`, when its
+        base is the session's previous prompt, vouches for the shared head and replaces the comparison.
+        The returned list is the caller's own."""
         if not isinstance(token_ids, list):
             token_ids = list(token_ids)
         bs = self.block_size
         n_full = len(token_ids) // bs * bs
         entry = None if session_id is None else self._sessions.get(session_id)
-        reuse, shared = (0, False) if entry is None else self._reusable_blocks(entry, token_ids, n_full)
+        if entry is None:
+            reuse, shared = 0, False
+        elif reuse_hint is not None and reuse_hint.base is entry.tokens:
+            # The builder copied these ids from the previous prompt: exact without a comparison.
+            reuse, shared = min(reuse_hint.tokens, entry.n_full, n_full) // bs, True
+        else:
+            reuse, shared = self._reusable_blocks(entry, token_ids, n_full)
         if reuse:
             assert entry is not None
             new = hash_blocks(token_ids[reuse * bs : n_full], bs, parent=entry.hashes[reuse - 1])

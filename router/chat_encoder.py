@@ -28,6 +28,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+from router.block_hash import PromptReuse
 from router.tokenizer import PromptTokenizer
 
 log = logging.getLogger(__name__)
@@ -53,11 +54,12 @@ def incremental_unsupported(hf_tokenizer: Any) -> str | None:
 
 
 class _Entry:
-    __slots__ = ("ends", "ids", "starts", "text", "token_at")
+    __slots__ = ("ends", "ids", "reused", "starts", "text", "token_at")
 
-    def __init__(self, text: str, ids: list[int]) -> None:
+    def __init__(self, text: str, ids: list[int], reused: int = 0) -> None:
         self.text = text
         self.ids = ids
+        self.reused = reused  # leading ids copied from the previous turn's entry
         # Each added token's occurrence: its char span [starts[k], ends[k]) and its index in `ids`.
         self.starts: list[int] = []
         self.ends: list[int] = []
@@ -109,20 +111,33 @@ class SessionChatEncoder:
         """Token ids of the rendered chat (equal to `PromptTokenizer.encode_chat`).
 
         The returned list is kept for the session's next turn: callers must not mutate it."""
+        return self.encode_reusing(session_id, messages, tools)[0]
+
+    def encode_reusing(
+        self,
+        session_id: str | None,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+    ) -> tuple[list[int], PromptReuse | None]:
+        """`encode`, and which of the ids were copied from the session's previous prompt (for the router's
+        block hasher, which then need not compare them)."""
         text = self._tok.render_chat(messages, tools)
         if session_id is None or self.unsupported is not None:
             ids = self._tok.encode_rendered(text)
             self._count(0, len(ids))
-            return ids
+            return ids, None
         with self._lock:
             prev = self._sessions.get(session_id)
         entry = self._extend(prev, text) if prev is not None else None
+        reuse = None
         if entry is None:
             entry = _Entry(text, self._tok.encode_rendered(text))
             self._mark(entry, 0, 0)
             self._count(0, len(entry.ids))
+        elif prev is not None:
+            reuse = PromptReuse(prev.ids, entry.reused)
         self._remember(session_id, entry)
-        return entry.ids
+        return entry.ids, reuse
 
     def forget(self, session_id: str) -> None:
         with self._lock:
@@ -142,7 +157,7 @@ class SessionChatEncoder:
             return None
         cut, at = prev.starts[k], prev.token_at[k]
         tail = self._tok.encode_rendered(text[cut:])
-        entry = _Entry(text, prev.ids[:at] + tail)
+        entry = _Entry(text, prev.ids[:at] + tail, at)
         entry.starts = prev.starts[:k]
         entry.ends = prev.ends[:k]
         entry.token_at = prev.token_at[:k]

@@ -13,7 +13,7 @@ import logging
 import msgspec
 
 from engine.messages import Sampling
-from router.block_hash import SessionHasher
+from router.block_hash import PromptReuse, SessionHasher
 from router.cluster_view import ClusterView
 from router.orchestrator import Route
 from router.policy.types import Decision, Policy, RouteRequest
@@ -50,7 +50,15 @@ class RequestRouter:
         self._admitted: dict[str, _Admitted] = {}
         self._admitted_tokens = 0
 
-    def route(self, request_id: str, session_id: str | None, prompt: list[int], sampling: Sampling) -> Route:
+    def route(
+        self,
+        request_id: str,
+        session_id: str | None,
+        prompt: list[int],
+        sampling: Sampling,
+        reuse: PromptReuse | None = None,
+    ) -> Route:
+        """`reuse`: which of the prompt's ids the chat encoder copied from the session's previous prompt."""
         if self._admitted and self._admitted_tokens + len(prompt) > self._limit:
             raise Overloaded(
                 f"cluster overloaded: {self._admitted_tokens} prompt tokens in flight "
@@ -60,7 +68,7 @@ class RequestRouter:
             request_id=request_id,
             session_id=session_id,
             num_prompt_tokens=len(prompt),
-            block_hashes=self._hasher.hash(session_id, prompt),
+            block_hashes=self._hasher.hash(session_id, prompt, reuse),
             block_size=self._block_size,
             max_tokens=sampling.max_tokens,
         )

@@ -24,6 +24,7 @@ from grpc_reflection.v1alpha import reflection
 from engine.messages import TokenBatch
 from router.api import pdserve_pb2 as pb
 from router.api import pdserve_pb2_grpc as pb_grpc
+from router.block_hash import PromptReuse
 from router.chat_encoder import SessionChatEncoder
 from router.metrics import RouterMetrics
 from router.orchestrator import Completion, NoReplicaError, Orchestrator
@@ -106,13 +107,15 @@ class PdserveService(pb_grpc.PdserveServicer):
     async def _generate(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
         try:
             valid = validate_generate(request, self._limits)
-            prompt_ids = await self._encode(valid.input, valid.session_id or None)
+            prompt_ids, reuse = await self._encode(valid.input, valid.session_id or None)
             check_prompt_length(len(prompt_ids), valid.sampling, self._limits, input_field=valid.input.kind)
         except (InvalidRequest, ChatInputError) as exc:
             raise _Aborted(grpc.StatusCode.INVALID_ARGUMENT, f"{exc.field}: {exc.message}") from exc
         request_id = valid.request_id or uuid.uuid4().hex
         try:
-            route = self._router.route(request_id, valid.session_id or None, prompt_ids, valid.sampling)
+            route = self._router.route(
+                request_id, valid.session_id or None, prompt_ids, valid.sampling, reuse
+            )
         except Overloaded as exc:
             raise _Aborted(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from exc
         except NoEligibleReplica as exc:
@@ -142,14 +145,17 @@ class PdserveService(pb_grpc.PdserveServicer):
         finally:
             self._router.finish(request_id)
 
-    async def _encode(self, prompt: PromptInput, session_id: str | None = None) -> list[int]:
+    async def _encode(
+        self, prompt: PromptInput, session_id: str | None = None
+    ) -> tuple[list[int], PromptReuse | None]:
+        """The prompt's ids, and which of them a session's chat reused from its previous turn."""
         # Tokenizing a long prompt takes milliseconds of CPU: keep it off the event loop.
         if prompt.kind == "prompt_token_ids":
-            return prompt.prompt_token_ids  # validation built this request's own list
+            return prompt.prompt_token_ids, None  # validation built this request's own list
         if prompt.kind == "prompt":
-            return await asyncio.to_thread(self._tokenizer.encode_text, prompt.prompt)
+            return await asyncio.to_thread(self._tokenizer.encode_text, prompt.prompt), None
         # A session's chat is encoded incrementally: only the text its new turn appended.
-        return await asyncio.to_thread(self._chat.encode, session_id, prompt.messages, prompt.tools)
+        return await asyncio.to_thread(self._chat.encode_reusing, session_id, prompt.messages, prompt.tools)
 
     def _record(self, c: Completion, first_token_at: float | None, started: float) -> None:
         m = self._metrics
@@ -175,7 +181,7 @@ class PdserveService(pb_grpc.PdserveServicer):
     ) -> pb.TokenizeResponse:
         try:
             prompt = validate_tokenize(request, self._limits)
-            ids = await self._encode(prompt)
+            ids, _ = await self._encode(prompt)
         except (InvalidRequest, ChatInputError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{exc.field}: {exc.message}")
         return pb.TokenizeResponse(token_ids=ids, max_model_len=self._limits.max_model_len)

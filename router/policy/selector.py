@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Annotated
+from typing import Annotated, cast
 
 import msgspec
 
@@ -115,6 +115,9 @@ class PdservePolicy:
         self.config = config or PdservePolicyConfig()
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
         self.recent = _RecentWork(self.config.spread_half_life)
+        # isinstance() against a runtime-checkable Protocol inspects its attributes on every call (~8 us,
+        # several % of a next turn's decision): decided once per lookup type.
+        self._memo_types: dict[type, bool] = {}
 
     def choose(
         self,
@@ -134,7 +137,7 @@ class PdservePolicy:
         session = None if req.session_id is None else self._sessions.get(req.session_id)
         ids = [r.replica_id for r in pres]
         ids += [r.replica_id for r in decs]
-        memo_cache = cache if isinstance(cache, MemoPrefixLookup) else None
+        memo_cache = self._memo_lookup(cache)
         if memo_cache is not None:
             matched, memo = memo_cache.matched_blocks_memo(
                 req.block_hashes, ids, None if session is None else session.memo
@@ -229,6 +232,13 @@ class PdservePolicy:
 
     def on_finish(self, req: RouteRequest, d: Decision) -> None:
         return None  # session placement outlives requests; nothing per request to release
+
+    def _memo_lookup(self, cache: PrefixLookup) -> MemoPrefixLookup | None:
+        t = type(cache)
+        ok = self._memo_types.get(t)
+        if ok is None:
+            ok = self._memo_types[t] = isinstance(cache, MemoPrefixLookup)
+        return cast(MemoPrefixLookup, cache) if ok else None
 
     def _pick(
         self,

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from router.block_hash import SessionHasher, hash_blocks
+from router.block_hash import PromptReuse, SessionHasher, hash_blocks
 
 
 def _tokens(n: int, seed: int = 0) -> list[int]:
@@ -103,6 +103,29 @@ def test_session_edited_history_rehashes_from_the_first_changed_block(edit_at: i
     reused_before = h.reused_blocks
     assert h.hash("s", turn2) == hash_blocks(turn2, 16)
     assert h.reused_blocks - reused_before == edit_at // 16
+
+
+def test_a_reuse_hint_from_the_prompts_builder_replaces_the_comparison() -> None:
+    h = SessionHasher(block_size=16)
+    turn1 = _tokens(1000)
+    h.hash("s", turn1)
+    # Built from turn 1's list: its first 990 ids copied, the rest (re-encoded) new objects.
+    turn2 = turn1[:990] + [int(str(t)) for t in turn1[990:]] + _tokens(300, seed=1)
+    assert h.hash("s", turn2, PromptReuse(turn1, 990)) == hash_blocks(turn2, 16)
+    assert h.reused_blocks == 990 // 16
+
+
+def test_a_reuse_hint_about_another_list_is_ignored() -> None:
+    """The hint vouches only for the session's own previous prompt; for any other base the prefix is checked,
+    so a stale hint (the session's previous turn was hashed from another list) cannot corrupt the hashes."""
+    h = SessionHasher(block_size=16)
+    turn1 = _tokens(1000)
+    h.hash("s", turn1)
+    other = list(turn1)
+    turn2 = list(turn1) + _tokens(100, seed=2)
+    turn2[40] += 1
+    assert h.hash("s", turn2, PromptReuse(other, 1000)) == hash_blocks(turn2, 16)
+    assert h.reused_blocks == 40 // 16
 
 
 def test_session_shorter_prompt_and_no_session() -> None:

@@ -11,6 +11,7 @@ import pytest
 from tokenizers import AddedToken
 
 from engine.tiny_model import ensure_tiny_model
+from router.block_hash import SessionHasher, hash_blocks
 from router.chat_encoder import SessionChatEncoder, incremental_unsupported
 from router.tokenizer import PromptTokenizer
 
@@ -75,12 +76,20 @@ def test_every_turn_equals_a_full_encoding_and_appended_turns_reuse_the_previous
     assert enc.unsupported is None
     tools = TOOLS if seed % 2 else None
     sessions = {f"s{i}": [{"role": "system", "content": text(rng, 5)}] for i in range(3)}
+    previous: dict[str, list[int]] = {}
+    hasher = SessionHasher(block_size=4)
     for _turn in range(40):
         sid = rng.choice(list(sessions))
         sessions[sid] = next_turn(rng, sessions[sid])
         reused_before = enc.reused_tokens
-        got = enc.encode(sid, sessions[sid], tools)
+        got, reuse = enc.encode_reusing(sid, sessions[sid], tools)
         assert got == tokenizer.encode_chat(sessions[sid], tools), (seed, _turn)
+        if reuse is not None:  # what it says it copied, it copied: the session's previous ids, same objects
+            assert reuse.base is previous[sid]
+            assert all(a is b for a, b in zip(got[: reuse.tokens], reuse.base[: reuse.tokens], strict=True))
+        # The router's hasher, taking the encoder's word, hashes exactly what a full hash gives.
+        assert hasher.hash(sid, got, reuse) == hash_blocks(got, 4)
+        previous[sid] = got
     # Most turns appended: most ids came from previous turns.
     assert enc.reused_tokens > enc.encoded_tokens
     assert reused_before <= enc.reused_tokens
