@@ -105,6 +105,9 @@ class KvIndex:
         self._bits: list[int] = []  # slot -> shared int object 1 << slot
         # Advances at every block removal (and replica creation); see PrefixMemo.
         self._removal_clock = 0
+        # Replica-id lists asked about -> their slots' bitmask (a router asks about the same few lists);
+        # emptied when membership changes.
+        self._masks: dict[tuple[str, ...], int] = {}
 
     # ---- replicas
     # -------------------------------------------------------------------------------------------
@@ -121,6 +124,7 @@ class KvIndex:
             self._bits.append(1 << slot)
         self._removal_clock += 1
         self._replicas[replica_id] = _Replica(slot, self._removal_clock)
+        self._masks.clear()
 
     def remove_replica(self, replica_id: str) -> None:
         """Forget a replica that left the cluster (its slot may be reused)."""
@@ -129,6 +133,7 @@ class KvIndex:
         self.clear_replica(replica_id)
         rep = self._replicas.pop(replica_id)
         self._slot_ids[rep.slot] = None
+        self._masks.clear()
 
     def clear_replica(self, replica_id: str) -> None:
         """The replica's cache is empty (engine restart, AllBlocksCleared, or lost events)."""
@@ -284,36 +289,29 @@ class KvIndex:
         The walk checks block i for the replicas that held every block before i. A replica the memo vouches
         for (no removal since, same prefix) joins the walk at its memo count instead of at block 0, so a
         session's next turn checks its new blocks, not its whole history. Same result as the full walk."""
-        result: dict[str, int] = {}
-        replicas = self._replicas
+        ids = tuple(replica_ids)
+        result = dict.fromkeys(ids, 0)
+        asked = self._mask_of(ids)
         holders = self._holders
-        alive = 0  # replicas walked from block 0
         joins: dict[int, int] = {}  # block position -> replicas known to hold every block before it
         n = len(block_hashes)
         if isinstance(memo, PrefixMemo):
-            counts, anchors, stamp = memo.counts, memo.anchors, memo.stamp
-            for rid in replica_ids:
-                result[rid] = 0
-                rep = replicas.get(rid)
-                if rep is None:
-                    continue
-                m = counts.get(rid, 0)
+            anchors, stamp = memo.anchors, memo.stamp
+            for rid, m in memo.counts.items():
+                rep = self._replicas.get(rid)
                 if (
-                    m
-                    and m <= n
+                    rep is not None
+                    and asked & rep.bit
+                    and 0 < m <= n
                     and rep.removed_at <= stamp
                     and block_hashes[m - 1] == anchors[m]
                     and holders.get(anchors[m], 0) & rep.bit
                 ):
                     joins[m] = joins.get(m, 0) | rep.bit
-                else:
-                    alive |= rep.bit
-        else:
-            for rid in replica_ids:
-                result[rid] = 0
-                rep = replicas.get(rid)
-                if rep is not None:
-                    alive |= rep.bit
+        # Replicas walked from block 0: every one asked about that the memo does not vouch for.
+        alive = asked
+        for mask in joins.values():
+            alive &= ~mask
         i = 0
         for join, mask in sorted(joins.items()):
             if alive:
@@ -327,6 +325,19 @@ class KvIndex:
         return result, PrefixMemo(
             self._removal_clock, new_counts, {c: block_hashes[c - 1] for c in new_counts.values()}
         )
+
+    def _mask_of(self, ids: tuple[str, ...]) -> int:
+        mask = self._masks.get(ids)
+        if mask is None:
+            if len(self._masks) >= 64:
+                self._masks.clear()
+            mask = 0
+            for rid in ids:
+                rep = self._replicas.get(rid)
+                if rep is not None:
+                    mask |= rep.bit
+            self._masks[ids] = mask
+        return mask
 
     def expect_stored(self, memo: object, replica_ids: Iterable[str], block_hashes: Sequence[int]) -> None:
         """Note in `memo` (from `matched_blocks_memo` of `block_hashes`) that these replicas will hold every

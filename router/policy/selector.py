@@ -144,9 +144,13 @@ class PdservePolicy:
             )
         else:
             matched, memo = cache.matched_blocks(req.block_hashes, ids), None
-        # cached_tokens() for every replica: at most the blocks before the one holding the last token.
+        # cached_tokens(): at most the blocks before the one holding the last token. Computed per replica
+        # asked about (a session's next turn on its own replica asks about two, not the whole pool).
         most = (n - 1) // bs * bs if n > 0 else 0
-        cached = {rid: min(b * bs, most) for rid, b in matched.items()}
+
+        def cached(rid: str) -> int:
+            return min(matched[rid] * bs, most)
+
         # Replicas holding the same prefix length share one prefill estimate.
         prefill_s: dict[int, float] = {}
 
@@ -171,8 +175,8 @@ class PdservePolicy:
         best_f = 0.0
         best_on_node: dict[str, tuple[float, ReplicaView]] = {}
         local_max = cfg.local_prefill_max_tokens
-        if pres and any(n - cached[d.replica_id] > local_max for d in candidates):
-            owns = [own_prefill_s(cached[p.replica_id]) for p in pres]
+        if pres and any(n - cached(d.replica_id) > local_max for d in candidates):
+            owns = [own_prefill_s(cached(p.replica_id)) for p in pres]
             fs = [w.prefill * o + queued_s(w, p) for o, p in zip(owns, pres, strict=True)]
             if cfg.balance_weight and len(pres) > 1:
                 fs = self._add_balance(pres, fs)
@@ -192,7 +196,7 @@ class PdservePolicy:
         computing: list[ReplicaView] = []
         own: list[float] = []  # the option's own prefill seconds
         for d in candidates:
-            c_d = cached[d.replica_id]
+            c_d = cached(d.replica_id)
             load = decode_term(w, d, n, req.max_tokens)
             if best_p is None or n - c_d <= local_max:
                 options.append(w.prefill * own_prefill_s(c_d) + queued_s(w, d) + load)
@@ -210,11 +214,11 @@ class PdservePolicy:
                     total, p = near, local_best[1]
             options.append(total)
             computing.append(p)
-            own.append(own_prefill_s(cached[p.replica_id]))
+            own.append(own_prefill_s(cached(p.replica_id)))
         i = self._pick(candidates, options, own)
         dec, comp = candidates[i], computing[i]
         local = comp is dec
-        self._account(req, comp, cached[comp.replica_id], dec, own_prefill_s(cached[comp.replica_id]))
+        self._account(req, comp, cached(comp.replica_id), dec, own_prefill_s(cached(comp.replica_id)))
         if req.session_id is not None:
             if memo_cache is not None:
                 memo_cache.expect_stored(memo, {comp.replica_id, dec.replica_id}, req.block_hashes)
@@ -224,8 +228,8 @@ class PdservePolicy:
             prefill=None if local else comp.replica_id,
             decode=dec.replica_id,
             local_prefill=local,
-            predicted_cached_tokens=cached[comp.replica_id],
-            predicted_decode_cached_tokens=cached[dec.replica_id],
+            predicted_cached_tokens=cached(comp.replica_id),
+            predicted_decode_cached_tokens=cached(dec.replica_id),
             cost=options[i],
             reason=f"affinity_{reason}" if affinity else reason,
         )
