@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         r = results[-1]
         print(
             f"  {name}: hit/bound {r.hit_vs_bound:.3f} max/mean {r.load_max_over_mean:.3f} "
-            f"(window {r.load_max_over_mean_window:.3f}) "
+            f"(window {r.load_max_over_mean_window:.3f}, busy {r.busy_max_over_mean:.3f}) "
             f"util {r.prefill_util:.2f} ttft p99 {r.ttft_p99_s:.2f}s ({r.wall_s:.1f}s)",
             flush=True,
         )

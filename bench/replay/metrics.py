@@ -30,6 +30,9 @@ class PolicyResult(msgspec.Struct, kw_only=True):
     # Busy fraction of the prefill pool over the measurement window (mean over replicas, and the busiest).
     prefill_util: float
     prefill_util_max: float
+    # The same max/mean in busy seconds (prefill_util_max / prefill_util): load counted by what it costs,
+    # where a token computed over a long cached context weighs its attention (load_max_over_mean: tokens).
+    busy_max_over_mean: float
     window_s: float
     ttft_p50_s: float
     ttft_p99_s: float
@@ -90,6 +93,7 @@ def summarize(
         local_prefill_share=sum(r.local_prefill for r in records) / len(records) if records else 0.0,
         prefill_util=sum(utils) / len(utils),
         prefill_util_max=max(utils),
+        busy_max_over_mean=max(utils) / (sum(utils) / len(utils)) if sum(utils) else math.nan,
         window_s=window,
         ttft_p50_s=percentile(ttft, 50),
         ttft_p99_s=percentile(ttft, 99),
@@ -113,6 +117,7 @@ def format_table(results: Sequence[PolicyResult]) -> str:
         ("Mtok", "{:>8.1f}", lambda r: r.prefill_tokens_total / 1e6),
         ("local", "{:>6.2f}", lambda r: r.local_prefill_share),
         ("util", "{:>5.2f}", lambda r: r.prefill_util),
+        ("busy_mm", "{:>7.3f}", lambda r: r.busy_max_over_mean),
         ("ttft50", "{:>7.2f}", lambda r: r.ttft_p50_s),
         ("ttft99", "{:>7.2f}", lambda r: r.ttft_p99_s),
         ("tpot50ms", "{:>8.1f}", lambda r: 1e3 * r.tpot_p50_s),

@@ -180,8 +180,8 @@ def test_unbounded_single_replica_hit_ratio_equals_the_bound() -> None:
     assert result.hit_vs_bound == pytest.approx(1.0)
 
 
-def test_prefill_load_balance_is_reported_over_the_replay_and_over_the_window() -> None:
-    # Every prompt on the first of four prefill replicas: max/mean = 4 either way.
+def test_prefill_load_balance_is_reported_over_the_replay_the_window_and_busy_time() -> None:
+    # Every prompt on the first of four prefill replicas: max/mean = 4 every way.
     trace = make_trace([[[1, 2], [1, 2, 3]], [[4], [4, 5]]], closed_loop=True, gaps=1.0)
     cfg = SimConfig(prefill_replicas=4, decode_replicas=1, capacity_blocks=None, concurrency=2)
     sim = simulate(trace, cfg)
@@ -189,6 +189,7 @@ def test_prefill_load_balance_is_reported_over_the_replay_and_over_the_window() 
     assert result.prefill_tokens[1:] == [0, 0, 0]
     assert result.load_max_over_mean == pytest.approx(4.0)
     assert result.load_max_over_mean_window == pytest.approx(4.0)
+    assert result.busy_max_over_mean == pytest.approx(4.0)
 
 
 def test_a_small_cache_loses_hits_and_counts_them_where_the_prompt_is_computed() -> None:
