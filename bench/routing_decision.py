@@ -6,10 +6,11 @@ BlockStored-style calls (so the index is hashed exactly as in production); half 
 decode. Cases: a session's first turn (a new prompt sharing half of an indexed prompt: full hash of the
 prompt) and its next turn (the previous prompt plus `--turn-tokens` new tokens: only the new blocks are
 hashed). As in a live agent loop, the next turn's token ids come as the router's incremental chat encoder
-gives them (`--next-turn-ids`), and the index has learned where the first turn's blocks were stored (the
-engines' KV events) before it arrives (`--static-index` turns that off). Prints p50/p99 in microseconds per
-case, wall clock and this thread's CPU time (on a shared machine the wall-clock tail is dominated by the OS
-preempting the process; CPU time is the decision's own cost), the index's memory per block, and the CPU of
+gives them, or `router.token_sessions` for a client sending ids (`--next-turn-ids`: both copy the previous
+turn's ids and say so, `PromptReuse`), and the index has learned where the first turn's blocks were stored
+(the engines' KV events) before it arrives (`--static-index` turns that off). Prints p50/p99 in microseconds
+per case, wall clock and this thread's CPU time (on a shared machine the wall-clock tail is dominated by the
+OS preempting the process; CPU time is the decision's own cost), the index's memory per block, and the CPU of
 `SessionHasher.seal`, which the live router runs when a turn finishes (off the decision's path) so that the
 next turn's prefix check is one tuple hash.
 
@@ -96,7 +97,8 @@ def run_case(
             turn2 = prompt[:-3] + np.array(turn2[len(prompt) - 3 :]).tolist()
             reuse = PromptReuse(prompt, len(prompt) - 3)
         elif next_turn_ids == "retokenized":
-            # Every id a new int object (a client sending token ids, or a full re-tokenization).
+            # Every id a new int object and no word on reuse: a text-prompt session tokenized in full, or ids
+            # whose wire form does not extend the previous turn's. The hasher checks the prefix itself.
             turn2 = np.array(turn2).tolist()
         sid = f"s{it}"
         for toks, case in ((prompt, "first"), (turn2, "next")):
@@ -148,8 +150,9 @@ def main() -> None:
         "--next-turn-ids",
         choices=["incremental", "retokenized", "same"],
         default="incremental",
-        help="the next turn's token ids: as the router's incremental chat encoder gives them (default), all "
-        "new int objects, or the previous turn's list extended",
+        help="the next turn's token ids: the previous turn's objects with a reuse hint, as the incremental "
+        "chat encoder and token-id sessions give them (default); all new int objects with no hint (a text "
+        "prompt tokenized in full); or the previous turn's list extended",
     )
     ap.add_argument(
         "--static-index",

@@ -74,6 +74,17 @@ class RouterMetrics:
             ["source"],
             registry=r,
         )
+        self.token_id_tokens = Counter(
+            "pdserve_token_id_prompt_tokens",
+            "Token ids of session requests sent as ids, by how the router got them: 'converted' from the "
+            "request, or 'reused' from the session's previous turn (its ids extended on the wire).",
+            ["source"],
+            registry=r,
+        )
+
+    def on_token_ids(self, reused: int, received: int) -> None:
+        self.token_id_tokens.labels(source="reused").inc(reused)
+        self.token_id_tokens.labels(source="converted").inc(received)
 
     def on_chat_encoded(self, reused: int, encoded: int) -> None:
         self.chat_tokens.labels(source="reused").inc(reused)

@@ -15,7 +15,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -30,6 +30,7 @@ from router.metrics import RouterMetrics
 from router.orchestrator import Completion, NoReplicaError, Orchestrator
 from router.policy.types import NoReplicaError as NoEligibleReplica
 from router.routing import Overloaded, RequestRouter
+from router.token_sessions import SessionTokenIds, TokenIdsTurn
 from router.tokenizer import ChatInputError, PromptTokenizer
 from router.validation import (
     InvalidRequest,
@@ -48,6 +49,18 @@ _PATH = {
     "local_prefill": pb.SERVING_PATH_LOCAL_PREFILL,
     "decode_full_prefill": pb.SERVING_PATH_DECODE_FULL_PREFILL,
 }
+
+
+class GenerateCall(NamedTuple):
+    """A Generate request as received: parsed, and its wire bytes (`router.token_sessions` compares a token-id
+    session's packed ids in them with the previous turn's)."""
+
+    request: pb.GenerateRequest
+    raw: bytes
+
+    @classmethod
+    def parse(cls, raw: bytes) -> GenerateCall:
+        return cls(pb.GenerateRequest.FromString(raw), raw)
 
 
 class _Aborted(Exception):
@@ -78,14 +91,15 @@ class PdserveService(pb_grpc.PdserveServicer):
         self._router = router
         self._metrics = metrics
         self._cluster_status = cluster_status
+        self._token_sessions = SessionTokenIds()
 
     async def Generate(
-        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+        self, call: GenerateCall, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         code = grpc.StatusCode.OK
         self._metrics.inflight.inc()
         try:
-            async for message in self._generate(request):
+            async for message in self._generate(call):
                 yield message
         except _Aborted as exc:
             code = exc.code
@@ -104,13 +118,18 @@ class PdserveService(pb_grpc.PdserveServicer):
             self._metrics.inflight.dec()
             self._metrics.requests.labels(code=code.name).inc()
 
-    async def _generate(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+    async def _generate(self, call: GenerateCall) -> AsyncIterator[pb.GenerateResponse]:
+        # A session's token ids that extend its previous turn's: only the new ones are converted and checked.
+        turn = self._token_sessions.start(call.request, call.raw)
         try:
-            valid = validate_generate(request, self._limits)
-            prompt_ids, reuse = await self._encode(valid.input, valid.session_id or None)
+            valid = validate_generate(call.request, self._limits, None if turn is None else turn.prior)
+            prompt_ids, reuse = await self._encode(valid.input, valid.session_id or None, turn)
             check_prompt_length(len(prompt_ids), valid.sampling, self._limits, input_field=valid.input.kind)
         except (InvalidRequest, ChatInputError) as exc:
             raise _Aborted(grpc.StatusCode.INVALID_ARGUMENT, f"{exc.field}: {exc.message}") from exc
+        if turn is not None:
+            self._token_sessions.finish(turn, prompt_ids)
+            self._metrics.on_token_ids(len(turn.prior or ()), len(prompt_ids) - len(turn.prior or ()))
         request_id = valid.request_id or uuid.uuid4().hex
         try:
             route = self._router.route(
@@ -146,12 +165,13 @@ class PdserveService(pb_grpc.PdserveServicer):
             self._router.finish(request_id)
 
     async def _encode(
-        self, prompt: PromptInput, session_id: str | None = None
+        self, prompt: PromptInput, session_id: str | None = None, turn: TokenIdsTurn | None = None
     ) -> tuple[list[int], PromptReuse | None]:
-        """The prompt's ids, and which of them a session's chat reused from its previous turn."""
+        """The prompt's ids, and which of them a session reused from its previous turn."""
         # Tokenizing a long prompt takes milliseconds of CPU: keep it off the event loop.
         if prompt.kind == "prompt_token_ids":
-            return prompt.prompt_token_ids, None  # validation built this request's own list
+            # Validation built this request's own list (from the previous turn's when `turn` extends it).
+            return prompt.prompt_token_ids, None if turn is None else turn.reuse
         if prompt.kind == "prompt":
             return await asyncio.to_thread(self._tokenizer.encode_text, prompt.prompt), None
         # A session's chat is encoded incrementally: only the text its new turn appended.
@@ -249,6 +269,27 @@ def _deny_handler() -> grpc.RpcMethodHandler:
     return grpc.unary_unary_rpc_method_handler(deny)
 
 
+def add_pdserve_service(service: PdserveService, server: grpc.aio.Server) -> None:
+    """What the generated `add_PdserveServicer_to_server` does, for every method of the service in the proto,
+    except that Generate's requests arrive as `GenerateCall` (parsed, with their wire bytes)."""
+    desc = pb.DESCRIPTOR.services_by_name["Pdserve"]
+    handlers = {}
+    for m in desc.methods:
+        make = (
+            grpc.unary_stream_rpc_method_handler
+            if m.server_streaming
+            else grpc.unary_unary_rpc_method_handler
+        )
+        parse = GenerateCall.parse if m.name == "Generate" else getattr(pb, m.input_type.name).FromString
+        handlers[m.name] = make(
+            getattr(service, m.name),
+            request_deserializer=parse,
+            response_serializer=getattr(pb, m.output_type.name).SerializeToString,
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(desc.full_name, handlers),))
+    server.add_registered_method_handlers(desc.full_name, handlers)
+
+
 async def start_grpc_server(
     service: PdserveService,
     *,
@@ -259,7 +300,7 @@ async def start_grpc_server(
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
     interceptors = [_TokenAuth(auth_token)] if auth_token else []
     server = grpc.aio.server(interceptors=interceptors)
-    pb_grpc.add_PdserveServicer_to_server(service, server)
+    add_pdserve_service(service, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     service_name = pb.DESCRIPTOR.services_by_name["Pdserve"].full_name

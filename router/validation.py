@@ -66,9 +66,13 @@ class ValidatedInput(msgspec.Struct, frozen=True, kw_only=True):
     request_id: str
 
 
-def validate_generate(req: pdserve_pb2.GenerateRequest, limits: ModelLimits) -> ValidatedInput:
+def validate_generate(
+    req: pdserve_pb2.GenerateRequest, limits: ModelLimits, token_prefix: list[int] | None = None
+) -> ValidatedInput:
+    """`token_prefix`: ids already validated that `req.prompt_token_ids` is known to start with (the session's
+    previous turn, `router.token_sessions`); only the ids after them are converted and checked."""
     _check_model(req.model, limits)
-    prompt = _prompt_input(req.prompt, req.messages, req.prompt_token_ids, req.tools, limits)
+    prompt = _prompt_input(req.prompt, req.messages, req.prompt_token_ids, req.tools, limits, token_prefix)
     for name, value in (("session_id", req.session_id), ("request_id", req.request_id)):
         if len(value) > MAX_ID_LENGTH:
             raise InvalidRequest(name, f"at most {MAX_ID_LENGTH} characters, got {len(value)}")
@@ -112,6 +116,7 @@ def _prompt_input(
     token_ids: Sequence[int],
     tools: Sequence[pdserve_pb2.Tool],
     limits: ModelLimits,
+    token_prefix: list[int] | None = None,
 ) -> PromptInput:
     given = [name for name, value in zip(_INPUT_FIELDS, (prompt, messages, token_ids), strict=True) if value]
     if len(given) != 1:
@@ -126,7 +131,8 @@ def _prompt_input(
     if prompt:
         return PromptInput(kind="prompt", prompt=prompt)
     if token_ids:
-        return PromptInput(kind="prompt_token_ids", prompt_token_ids=_token_ids(token_ids, limits))
+        ids = _token_ids(token_ids, limits, token_prefix)
+        return PromptInput(kind="prompt_token_ids", prompt_token_ids=ids)
     _check_messages(messages)
     try:
         return PromptInput(
@@ -136,16 +142,21 @@ def _prompt_input(
         raise InvalidRequest(exc.field, exc.message) from exc
 
 
-def _token_ids(token_ids: Sequence[int], limits: ModelLimits) -> list[int]:
+def _token_ids(token_ids: Sequence[int], limits: ModelLimits, prefix: list[int] | None = None) -> list[int]:
     # uint32 in the proto: never negative. max() is one C-level pass; the index is looked for only when an id
-    # is out of range (a per-id Python loop cost ~1 ms for an 8k-token prompt).
-    ids = list(token_ids)
-    if ids and max(ids) >= limits.vocab_size:
-        i = next(i for i, token in enumerate(ids) if token >= limits.vocab_size)
+    # is out of range (a per-id Python loop cost ~1 ms for an 8k-token prompt). With a known valid prefix
+    # only the ids after it are converted and checked.
+    start = 0 if prefix is None else len(prefix)
+    if start > len(token_ids):
+        raise ValueError("token_prefix is longer than the request's token ids")
+    new = list(token_ids[start:]) if start else list(token_ids)
+    if new and max(new) >= limits.vocab_size:
+        i = next(i for i, token in enumerate(new) if token >= limits.vocab_size)
         raise InvalidRequest(
-            f"prompt_token_ids[{i}]", f"token id {ids[i]} is not below vocab_size {limits.vocab_size}"
+            f"prompt_token_ids[{start + i}]",
+            f"token id {new[i]} is not below vocab_size {limits.vocab_size}",
         )
-    return ids
+    return prefix + new if prefix is not None else new
 
 
 def _check_messages(messages: Sequence[pdserve_pb2.ChatMessage]) -> None:

@@ -5,6 +5,7 @@ turn, which reports the prefix as cached and prefills only the new suffix itself
 from __future__ import annotations
 
 import time
+import urllib.request
 from collections.abc import Iterator
 
 import pytest
@@ -20,20 +21,34 @@ SYSTEM = "You are a coding agent. Use the tools to inspect the repository before
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PdserveClient]:
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningCluster]:
     topology = make_topology(tmp_path_factory.mktemp("kv"), pools__decode__replicas=2)
-    cluster = RunningCluster(topology)
+    running = RunningCluster(topology)
     try:
-        cluster.wait_ready()
-        c = PdserveClient(cluster.target, timeout=180)
-        # Both decode replicas registered with the router before the first turn.
-        deadline = time.monotonic() + 60
-        while sum(r.role == "decode" for r in c.cluster_status()) < 2 and time.monotonic() < deadline:
-            time.sleep(1)
-        yield c
-        c.close()
+        running.wait_ready()
+        yield running
     finally:
-        cluster.down()
+        running.down()
+
+
+@pytest.fixture(scope="module")
+def client(cluster: RunningCluster) -> Iterator[PdserveClient]:
+    c = PdserveClient(cluster.target, timeout=180)
+    # Both decode replicas registered with the router before the first turn.
+    deadline = time.monotonic() + 60
+    while sum(r.role == "decode" for r in c.cluster_status()) < 2 and time.monotonic() < deadline:
+        time.sleep(1)
+    yield c
+    c.close()
+
+
+def metric(cluster: RunningCluster, name: str, **labels: str) -> float:
+    want = "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else ""
+    with urllib.request.urlopen(cluster.metrics_url, timeout=10) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith(name + want + " "):
+                return float(line.rsplit(" ", 1)[1])
+    return 0.0
 
 
 def conversation(turns: int) -> list[dict[str, object]]:
@@ -93,3 +108,24 @@ def test_every_turn_of_a_session_stays_on_one_decode_replica(client: PdserveClie
         served.append(done.served_by.decode_replica)
         time.sleep(1.0)
     assert len(set(served)) == 1
+
+
+def test_a_token_id_session_reuses_its_previous_turns_ids_and_is_served_as_a_full_request(
+    cluster: RunningCluster, client: PdserveClient
+) -> None:
+    ids1 = list(client.tokenize(messages=conversation(1)).token_ids)
+    first = client.generate_text(token_ids=ids1, session_id="agent-ids", max_tokens=8, temperature=0.0)
+    time.sleep(1.0)
+    reused_before = metric(cluster, "pdserve_token_id_prompt_tokens_total", source="reused")
+    ids2 = ids1 + list(range(100, 164))  # the tool result, as ids
+    second = client.generate_text(token_ids=ids2, session_id="agent-ids", max_tokens=8, temperature=0.0)
+    # The router took turn 1's ids from its session (the request's ids extend them on the wire).
+    assert metric(cluster, "pdserve_token_id_prompt_tokens_total", source="reused") - reused_before == len(
+        ids1
+    )
+    assert second.usage.prompt_tokens == len(ids2)
+    assert second.served_by.decode_replica == first.served_by.decode_replica
+    assert second.usage.cached_tokens >= (len(ids1) // BLOCK - 1) * BLOCK
+    # The same ids without a session (converted in full) give the same greedy reply.
+    alone = client.generate_text(token_ids=ids2, max_tokens=8, temperature=0.0)
+    assert second.token_ids == alone.token_ids
