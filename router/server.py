@@ -2,6 +2,7 @@
 
 A request's way through this process:
     Generate -> validate (INVALID_ARGUMENT, nothing reaches an engine) -> tokenize (chat template)
+             (a session's next turn: only what it appended, router/chat_encoder.py, router/token_sessions.py)
              -> length check -> route (router/routing.py) -> Orchestrator.run (prefill leg, decode leg)
              -> stream token batches -> one final message with usage and the serving replicas.
 Every accepted request ends with exactly one terminal status, counted in pdserve_requests{code}.
