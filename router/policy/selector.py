@@ -144,8 +144,8 @@ class PdservePolicy:
             )
         else:
             matched, memo = cache.matched_blocks(req.block_hashes, ids), None
-        # cached_tokens(): at most the blocks before the one holding the last token. Computed per replica
-        # asked about (a session's next turn on its own replica asks about two, not the whole pool).
+        # cached_tokens(): at most the blocks before the one holding the last token. Computed only for the
+        # replicas scored (a session's next turn on its own replica scores one or two, not the pool).
         most = (n - 1) // bs * bs if n > 0 else 0
 
         def cached(rid: str) -> int:
