@@ -174,12 +174,15 @@ def test_ties_go_to_the_replica_with_the_least_recent_work() -> None:
 
 
 def test_a_cost_difference_beyond_the_tolerance_beats_recent_work() -> None:
-    pol = PdservePolicy(PdservePolicyConfig(tie_tolerance_s=0.05, tie_tolerance_rel=0.0))
+    cfg = PdservePolicyConfig(
+        tie_tolerance_s=0.05, tie_tolerance_rel=0.0, balance_weight=0.0, churn_weight=0.0
+    )
+    pol = PdservePolicy(cfg)
     pres = [view("p0"), view("p1")]
     assert choose(pres, [view("d0", "decode")], policy=pol).prefill == "p0"  # p0 now has recent work
     # p1 has 0.04 s queued: within tolerance, so p1 (less recent work) wins; at 0.06 s, p0 wins.
     assert choose([view("p0"), queued(view("p1"), 0.04)], [view("d0", "decode")], policy=pol).prefill == "p1"
-    pol = PdservePolicy(PdservePolicyConfig(tie_tolerance_s=0.05, tie_tolerance_rel=0.0))
+    pol = PdservePolicy(cfg)
     choose(pres, [view("d0", "decode")], policy=pol)
     assert choose([view("p0"), queued(view("p1"), 0.06)], [view("d0", "decode")], policy=pol).prefill == "p0"
 
@@ -188,7 +191,8 @@ def test_relative_tolerance_scales_with_the_jobs_own_prefill_time() -> None:
     # A 128k-token cold prompt takes ~19 s: a 1 s queue difference is a tie at 10%, not at 1%.
     n = 128 * 1024
     for rel, expected in [(0.1, "p1"), (0.01, "p0")]:
-        pol = PdservePolicy(PdservePolicyConfig(tie_tolerance_rel=rel, balance_weight=0.0))
+        cfg = PdservePolicyConfig(tie_tolerance_rel=rel, balance_weight=0.0, churn_weight=0.0)
+        pol = PdservePolicy(cfg)
         choose([view("p0"), view("p1")], [view("d0", "decode")], n=n, policy=pol)  # p0 gets recent work
         pres = [view("p0"), queued(view("p1"), 1.0)]
         assert choose(pres, [view("d0", "decode")], n=n, policy=pol).prefill == expected, rel
@@ -199,14 +203,32 @@ def test_balance_term_charges_recent_work_above_the_pool_mean() -> None:
     # weighted s. Without the balance term the hit wins; with it, p0's ~9 s above the mean costs ~0.9 s.
     pres = [view("p0"), view("p1")]
     for weight, expected in [(0.0, "p0"), (0.1, "p1")]:
-        pol = PdservePolicy(PdservePolicyConfig(balance_weight=weight))
+        pol = PdservePolicy(PdservePolicyConfig(balance_weight=weight, churn_weight=0.0))
         assert choose(pres, [view("d0", "decode")], n=128 * 1024, policy=pol).prefill == "p0"
         assert choose(pres, [view("d0", "decode")], {"p0": 64}, policy=pol).prefill == expected, weight
     # A session's big cached context (64k tokens, ~26 weighted s) outweighs the imbalance: the balance moves
     # cheap work, not sessions whose move would recompute a long context.
-    pol = PdservePolicy(PdservePolicyConfig(balance_weight=0.1))
+    pol = PdservePolicy(PdservePolicyConfig(balance_weight=0.1, churn_weight=0.0))
     choose(pres, [view("d0", "decode")], n=128 * 1024, policy=pol)
     assert choose(pres, [view("d0", "decode")], {"p0": 4000}, n=64_000, policy=pol).prefill == "p0"
+
+
+def test_churn_term_charges_recent_tokens_computed_not_seconds() -> None:
+    pres, dec = [view("p0"), view("p1")], [view("d0", "decode")]
+    cfg = PdservePolicyConfig(balance_weight=0.0, churn_weight=0.5)
+    # p0 computed a cold 128k-token prompt: 128k tokens written into its cache. A 4k prompt whose 1k-token
+    # hit sits on p0 goes to p1; without the term it stays.
+    for churn, expected in [(0.5, "p1"), (0.0, "p0")]:
+        pol = PdservePolicy(msgspec.structs.replace(cfg, churn_weight=churn))
+        assert choose(pres, dec, n=128 * 1024, policy=pol).prefill == "p0"
+        assert choose(pres, dec, {"p0": 64}, policy=pol).prefill == expected, churn
+    # p0 instead computed 2k new tokens over a cached 126k-token context: many seconds, few tokens written.
+    pol = PdservePolicy(cfg)
+    n = 128 * 1024
+    assert choose(pres, dec, {"p0": (n - 2048) // BS}, n=n, policy=pol).prefill == "p0"
+    # (Seconds that the seconds term would charge eight times as much: attention over the cached context.)
+    assert pol.recent.seconds("p0") > 5 * pol.recent_tokens.seconds("p0")
+    assert choose(pres, dec, {"p0": 64}, policy=pol).prefill == "p0"
 
 
 def test_the_pair_search_finds_the_cost_formulas_optimum() -> None:
