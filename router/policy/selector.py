@@ -35,6 +35,9 @@ short contexts) off the loaded replicas, leaving sessions with long cached conte
 `churn_weight` 0.5: 1.06-1.11, 1.06-1.36; `balance_weight` 0.2 and `churn_weight` 0.5 (the defaults):
 1.06-1.13, 1.08-1.23; hit/bound 0.97-0.99 throughout. On Mooncake the defaults change hit/bound 0.753 ->
 0.748 and TTFT P99 not at all. The outcome is noisy per seed: these are tuning knobs, not measurements.
+Near the top of the 50-70% band (Claude Code at concurrency 68, seeds 0-4) every setting tried lets load pile
+onto one or two replicas on some seeds (max/mean tokens 1.15-2.6, TTFT P99 up to ~540 s) and the churn term
+makes it somewhat worse (TTFT P99 353-541 s vs 156-537 s with seconds only); `churn_weight: 0` restores that.
 
 Session affinity: a session's next turn goes to the decode replica that served its previous turn (its KV is
 there) while that replica is not overloaded: KV usage below `affinity_max_kv_usage` and active sequences at
