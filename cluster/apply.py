@@ -34,6 +34,8 @@ _RESTART_FIELDS = {
     "router.local_prefill_max_tokens",
     "router.session_affinity",
     "router.overload_queue_tokens",
+    "router.balance_weight",
+    "router.churn_weight",
 }
 # Read by `pdserve apply` itself, from the new file: changing them needs no restart.
 _APPLY_ONLY_FIELDS = {"ray.placement_timeout_s"}

@@ -210,6 +210,10 @@ class Router(_Config, frozen=True, kw_only=True):
     overload_queue_tokens: PositiveInt = 65536  # queued prompt tokens beyond which requests are refused
     stream_batch_tokens: PositiveInt = 16  # tokens per streamed message ...
     stream_batch_ms: PositiveFloat = 20.0  # ... or this long, whichever comes first
+    # Prefill balance (router/policy/selector.py): charges for recent compute seconds and for recent tokens
+    # computed (cache churn) above the pool's mean. PdservePolicyConfig's defaults (a test keeps them equal).
+    balance_weight: NonNegativeFloat = 0.2
+    churn_weight: NonNegativeFloat = 0.5
 
 
 class Tls(_Config, frozen=True, kw_only=True):

@@ -45,6 +45,8 @@ class RouterProcess:
             PdservePolicyConfig(
                 local_prefill_max_tokens=topo.router.local_prefill_max_tokens,
                 session_affinity=topo.router.session_affinity,
+                balance_weight=topo.router.balance_weight,
+                churn_weight=topo.router.churn_weight,
             )
         )
         self.view = ClusterView(

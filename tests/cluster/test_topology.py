@@ -18,6 +18,7 @@ from cluster.topology import (
     parse_topology,
     selector_matches,
 )
+from router.policy.selector import PdservePolicyConfig
 
 BROKEN = sorted((Path(__file__).parent / "broken").glob("*.yaml"))
 
@@ -81,6 +82,13 @@ def test_defaults_are_the_local_cpu_cluster() -> None:
     assert topo.pools.prefill.cpu_engine.threads_bind != topo.pools.decode.cpu_engine.threads_bind
     assert (topo.server.grpc_host, topo.server.grpc_port) == ("127.0.0.1", 50051)
     assert topo.ray.address is None
+
+
+def test_router_balance_defaults_are_the_policys() -> None:
+    router, policy = Topology().router, PdservePolicyConfig()
+    assert (router.balance_weight, router.churn_weight) == (policy.balance_weight, policy.churn_weight)
+    cfg = parse_topology("router: {balance_weight: 0.1, churn_weight: 0}").router
+    assert (cfg.balance_weight, cfg.churn_weight) == (0.1, 0.0)
 
 
 def test_empty_document_gives_the_defaults() -> None:
