@@ -20,9 +20,10 @@ own prefix cache decides what is reused), so that is an accepted risk.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import NamedTuple
+
+from router.session_store import SessionStore
 
 # Fixed parent of every chain's first block (any constant works; this one is "pdserve" in ASCII).
 ROOT_PARENT = 0x7064736572766500
@@ -78,6 +79,10 @@ class _SessionEntry:
         self.digest: int | None = None
 
 
+def _full_tokens(entry: _SessionEntry) -> int:
+    return entry.n_full
+
+
 class SessionHasher:
     """Hashes prompts, reusing the previous turn's hashes for the part of a session's prompt that is
     unchanged.
@@ -106,10 +111,7 @@ class SessionHasher:
         if block_size <= 0 or max_sessions <= 0 or max_tokens <= 0:
             raise ValueError("block_size, max_sessions and max_tokens must be positive")
         self.block_size = block_size
-        self.max_sessions = max_sessions
-        self.max_tokens = max_tokens
-        self._sessions: OrderedDict[str, _SessionEntry] = OrderedDict()
-        self._cached_tokens = 0
+        self._sessions: SessionStore[_SessionEntry] = SessionStore(max_sessions, max_tokens, _full_tokens)
         self.reused_blocks = 0
         self.hashed_blocks = 0
 
@@ -153,7 +155,7 @@ class SessionHasher:
             return own
         # The session keeps its own list of the hashes (the caller may mutate what it gets back), and the
         # tokens by reference (a copy of a long prompt would cost as much as the comparison).
-        self._remember(session_id, _SessionEntry(token_ids, n_full, own, shared))
+        self._sessions.put(session_id, _SessionEntry(token_ids, n_full, own, shared))
         return own.copy()
 
     def seal(self, session_id: str | None) -> None:
@@ -166,9 +168,7 @@ class SessionHasher:
             entry.digest = hash(tuple(entry.tokens))
 
     def forget(self, session_id: str) -> None:
-        entry = self._sessions.pop(session_id, None)
-        if entry is not None:
-            self._cached_tokens -= entry.n_full
+        self._sessions.pop(session_id)
 
     def _reusable_blocks(self, entry: _SessionEntry, token_ids: list[int], n_full: int) -> tuple[int, bool]:
         """Number of leading full blocks shared with the cached turn, and whether the new prompt holds the
@@ -197,15 +197,3 @@ class SessionHasher:
         while start + bs <= n_prev and token_ids[start : start + bs] == prev[start : start + bs]:
             start += bs
         return start // bs, False
-
-    def _remember(self, session_id: str, entry: _SessionEntry) -> None:
-        old = self._sessions.pop(session_id, None)
-        if old is not None:
-            self._cached_tokens -= old.n_full
-        if entry.n_full > self.max_tokens:
-            return  # a single prompt larger than the whole budget is not cached
-        self._sessions[session_id] = entry
-        self._cached_tokens += entry.n_full
-        while len(self._sessions) > self.max_sessions or self._cached_tokens > self.max_tokens:
-            _, evicted = self._sessions.popitem(last=False)
-            self._cached_tokens -= evicted.n_full

@@ -24,11 +24,11 @@ from __future__ import annotations
 import bisect
 import logging
 import threading
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 from router.block_hash import PromptReuse
+from router.session_store import SessionStore
 from router.tokenizer import PromptTokenizer
 
 log = logging.getLogger(__name__)
@@ -66,6 +66,10 @@ class _Entry:
         self.token_at: list[int] = []
 
 
+def _chars(entry: _Entry) -> int:
+    return len(entry.text)
+
+
 class SessionChatEncoder:
     """Chat prompts to token ids, per session incrementally (see the module docstring).
 
@@ -85,8 +89,6 @@ class SessionChatEncoder:
         if max_sessions <= 0 or max_chars <= 0:
             raise ValueError("max_sessions and max_chars must be positive")
         self._tok = tokenizer
-        self.max_sessions = max_sessions
-        self.max_chars = max_chars
         self.unsupported = incremental_unsupported(tokenizer.hf_tokenizer)
         if self.unsupported is not None:
             log.warning(
@@ -94,8 +96,8 @@ class SessionChatEncoder:
             )
         added = dict(getattr(tokenizer.hf_tokenizer, "added_tokens_decoder", {}) or {})
         self._added: dict[int, str] = {int(i): str(t.content) for i, t in added.items()}
-        self._sessions: OrderedDict[str, _Entry] = OrderedDict()
-        self._chars = 0
+        # Guarded by _lock.
+        self._sessions: SessionStore[_Entry] = SessionStore(max_sessions, max_chars, _chars)
         self._lock = threading.Lock()
         self._on_encoded = on_encoded
         # Totals: token ids taken from previous turns, and ids encoded.
@@ -141,9 +143,7 @@ class SessionChatEncoder:
 
     def forget(self, session_id: str) -> None:
         with self._lock:
-            old = self._sessions.pop(session_id, None)
-            if old is not None:
-                self._chars -= len(old.text)
+            self._sessions.pop(session_id)
 
     def _extend(self, prev: _Entry, text: str) -> _Entry | None:
         """The new turn's entry, re-encoding from the last added token inside the shared text; None when
@@ -195,16 +195,7 @@ class SessionChatEncoder:
 
     def _remember(self, session_id: str, entry: _Entry) -> None:
         with self._lock:
-            old = self._sessions.pop(session_id, None)
-            if old is not None:
-                self._chars -= len(old.text)
-            if len(entry.text) > self.max_chars:
-                return
-            self._sessions[session_id] = entry
-            self._chars += len(entry.text)
-            while len(self._sessions) > self.max_sessions or self._chars > self.max_chars:
-                _, evicted = self._sessions.popitem(last=False)
-                self._chars -= len(evicted.text)
+            self._sessions.put(session_id, entry)
 
 
 def _common_prefix_len(a: str, b: str) -> int:

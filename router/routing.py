@@ -58,7 +58,8 @@ class RequestRouter:
         sampling: Sampling,
         reuse: PromptReuse | None = None,
     ) -> Route:
-        """`reuse`: which of the prompt's ids the chat encoder copied from the session's previous prompt."""
+        """`reuse`: which of the prompt's ids were copied from the session's previous prompt (by the chat
+        encoder or the token-id sessions)."""
         if self._admitted and self._admitted_tokens + len(prompt) > self._limit:
             raise Overloaded(
                 f"cluster overloaded: {self._admitted_tokens} prompt tokens in flight "

@@ -19,10 +19,9 @@ sessions are dropped first. Not thread-safe: one per event loop.
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 from router.api import pdserve_pb2 as pb
 from router.block_hash import PromptReuse
+from router.session_store import SessionStore
 
 PROMPT_TOKEN_IDS_FIELD = pb.GenerateRequest.DESCRIPTOR.fields_by_name["prompt_token_ids"].number
 
@@ -99,14 +98,15 @@ class _Entry:
         self.ids = ids
 
 
+def _ids(entry: _Entry) -> int:
+    return len(entry.ids)
+
+
 class SessionTokenIds:
     def __init__(self, max_sessions: int = 10_000, max_tokens: int = 8_000_000) -> None:
         if max_sessions <= 0 or max_tokens <= 0:
             raise ValueError("max_sessions and max_tokens must be positive")
-        self.max_sessions = max_sessions
-        self.max_tokens = max_tokens
-        self._sessions: OrderedDict[str, _Entry] = OrderedDict()
-        self._tokens = 0
+        self._sessions: SessionStore[_Entry] = SessionStore(max_sessions, max_tokens, _ids)
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -128,13 +128,4 @@ class SessionTokenIds:
     def finish(self, turn: TokenIdsTurn, ids: list[int]) -> None:
         """The turn's ids were accepted: keep them for the session's next turn. `ids` is kept by reference
         (a prompt's list is never mutated)."""
-        old = self._sessions.pop(turn.session_id, None)
-        if old is not None:
-            self._tokens -= len(old.ids)
-        if len(ids) > self.max_tokens:
-            return
-        self._sessions[turn.session_id] = _Entry(turn.packed, ids)
-        self._tokens += len(ids)
-        while len(self._sessions) > self.max_sessions or self._tokens > self.max_tokens:
-            _, evicted = self._sessions.popitem(last=False)
-            self._tokens -= len(evicted.ids)
+        self._sessions.put(turn.session_id, _Entry(turn.packed, ids))
