@@ -68,6 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
         "holding all but this many prompt tokens prefills the rest itself",
     )
     p.add_argument(
+        "--readback-ttl-s",
+        type=float,
+        default=None,
+        help="KV readback (topology router.kv_readback_ttl_s), for every policy: decode replicas keep a "
+        "finished turn's KV pinned this long and the session's next prefill pulls it (default: off)",
+    )
+    p.add_argument(
         "--bounds",
         action="store_true",
         help="also print the hit-ratio ceilings of pooled caches (bench.replay.bounds; ~10-30 s)",
@@ -104,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         max_gap_s=args.max_gap_s,
         seed=args.seed,
         timing=model_from_calibration(args.calibration),
+        readback_ttl_s=args.readback_ttl_s,
     )
     fixed = args.concurrency if trace.closed_loop else args.time_scale
     if fixed is not None:

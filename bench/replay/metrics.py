@@ -26,6 +26,12 @@ class PolicyResult(msgspec.Struct, kw_only=True):
     # Prompt tokens computed by decode replicas (local prefills), all replicas together.
     decode_local_prefill_tokens: int
     prefill_tokens_total: int
+    # Share of prompt tokens a prefill replica pulled from a decode replica instead of computing (KV
+    # readback; counted as hits in hit_ratio, since they were not computed).
+    pulled_share: float
+    # KV readback: the most blocks pinned on one decode replica at once / its capacity (not modelled as
+    # taking capacity; in vLLM pinned blocks cannot be evicted or reused until read or expired).
+    pinned_peak: float
     local_prefill_share: float
     # Busy fraction of the prefill pool over the measurement window (mean over replicas, and the busiest).
     prefill_util: float
@@ -60,6 +66,7 @@ def summarize(
     name: str, sim: Simulator, records: list[RequestRecord], bound: float, wall_s: float
 ) -> PolicyResult:
     blocks = sum(r.num_blocks for r in records)
+    prompt = sum(r.cached_tokens + r.computed_tokens for r in records)
     hits = sum(r.cached_blocks for r in records)
     hit_ratio = hits / blocks if blocks else 0.0
     p_tokens = sim.computed_tokens(sim.prefill)
@@ -90,6 +97,8 @@ def summarize(
         load_max_over_mean_window=max(in_window.values()) / mean_w if mean_w else math.nan,
         decode_local_prefill_tokens=d_tokens,
         prefill_tokens_total=total,
+        pulled_share=sum(r.pulled_tokens for r in records) / prompt if prompt else 0.0,
+        pinned_peak=sim.pinned_peak,
         local_prefill_share=sum(r.local_prefill for r in records) / len(records) if records else 0.0,
         prefill_util=sum(utils) / len(utils),
         prefill_util_max=max(utils),
@@ -116,6 +125,8 @@ def format_table(results: Sequence[PolicyResult]) -> str:
         ("mm_win", "{:>6.3f}", lambda r: r.load_max_over_mean_window),
         ("Mtok", "{:>8.1f}", lambda r: r.prefill_tokens_total / 1e6),
         ("local", "{:>6.2f}", lambda r: r.local_prefill_share),
+        ("pulled", "{:>6.2f}", lambda r: r.pulled_share),
+        ("pinned", "{:>6.2f}", lambda r: r.pinned_peak),
         ("util", "{:>5.2f}", lambda r: r.prefill_util),
         ("busy_mm", "{:>7.3f}", lambda r: r.busy_max_over_mean),
         ("ttft50", "{:>7.2f}", lambda r: r.ttft_p50_s),

@@ -14,6 +14,13 @@ router's index, so the policy under test sees what it would see live (minus even
    service time is `ServiceTimeModel.prefill_s(uncached tokens, cached tokens)`.
 3. KV transfer P -> D of the prompt tokens the decode replica does not already hold (vLLM's NixlConnector
    pulls only the blocks missing from the decode engine's prefix cache); D's cache then holds the prompt.
+   Readback (`readback_ttl_s`, vLLM's bidirectional KV transfer, for every policy alike): a decode replica
+   keeps a finished turn's blocks pinned for that long, and the session's next prefill, wherever it runs,
+   pulls the prefix it shares with that turn's prompt instead of computing it (the pull is charged to the
+   prefill replica's time, though vLLM overlaps it with other requests' compute: conservative). Only blocks
+   the decode replica's LRU still holds can be pulled (in vLLM the pin protects them: conservative), and
+   pins do not reduce its capacity (optimistic; `pinned_peak` reports how much of a replica's capacity the
+   pins would have held at most). A prefill reading a pin unpins it.
 4. Decode: every active sequence on a replica advances one token per `tpot_s(batch, context)`; the rate is
    recomputed whenever the batch changes; a local prefill on the replica pauses its decoding for its
    duration (no chunked-prefill overlap: the cost local prefill puts on co-located decodes). TTFT = first
@@ -43,7 +50,7 @@ from bench.replay.cache import CacheEvents, LruBlockCache
 from bench.replay.traces import Session, Trace, TraceRequest
 from router.load import LoadTracker
 from router.policy.service_time import ServiceTimeModel
-from router.policy.types import Decision, Policy, PrefixLookup, ReplicaView, RouteRequest
+from router.policy.types import Decision, Policy, PrefixLookup, Readback, ReplicaView, RouteRequest
 
 
 class SimConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -59,6 +66,9 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     max_gap_s: float = 300.0
     # Closed loop: the first `concurrency` sessions start uniformly over this many seconds.
     stagger_s: float = 60.0
+    # Decode replicas keep a finished turn's KV pinned this long for the session's next prefill to pull
+    # (None: no readback; prefill replicas compute whatever they do not hold).
+    readback_ttl_s: float | None = None
     seed: int = 0
     timing: ServiceTimeModel = ServiceTimeModel()
 
@@ -85,6 +95,8 @@ class RequestRecord(msgspec.Struct, kw_only=True):
     prefill_end: float = 0.0
     cached_blocks: int = 0
     cached_tokens: int = 0
+    # Of cached_tokens, those pulled from the session's previous decode replica (readback).
+    pulled_tokens: int = 0
     computed_tokens: int = 0
     transferred_tokens: int = 0
     first_token: float = 0.0
@@ -186,6 +198,10 @@ class Simulator:
         self.records: list[RequestRecord] = []
         self.window_end: float | None = None
         self._pending_sessions: deque[Session] = deque()
+        # Per session: its latest finished turn (decode replica, prompt blocks, finish time), for readback.
+        self._last_turn: dict[str, tuple[str, tuple[int, ...], float]] = {}
+        # Readback: the most blocks pinned on one decode replica at once, as a fraction of its capacity.
+        self.pinned_peak = 0.0
         self.decide_s = 0.0
         self.decisions = 0
 
@@ -277,6 +293,7 @@ class Simulator:
         rec = job.rec
         rec.arrival = self.now
         self.records.append(rec)
+        job.route.readback = self._readback(job.trace_req, self.now)
         p_views, d_views = self.views()
         t0 = time.perf_counter()
         decision = self.policy.choose(job.route, p_views, d_views, self.lookup)
@@ -297,6 +314,26 @@ class Simulator:
         if server.running is None:
             self._start_prefill(server)
 
+    def _readback(self, r: TraceRequest, at: float) -> Readback | None:
+        """What the session's previous decode replica still keeps pinned of this prompt's prefix at `at`."""
+        ttl = self.cfg.readback_ttl_s
+        if ttl is None:
+            return None
+        last = self._last_turn.get(r.session_id)
+        if last is None or at - last[2] > ttl:
+            return None
+        replica, blocks, finished = last
+        shared = 0
+        for a, b in zip(blocks, r.block_hashes, strict=False):
+            if a != b:
+                break
+            shared += 1
+        # Only what the replica's LRU still holds (pins are not modelled as protecting blocks: conservative).
+        shared = min(shared, self._servers[replica].cache.prefix_hits(r.block_hashes))
+        if not shared:
+            return None
+        return Readback(replica, shared * self.block_tokens, expires_in_s=finished + ttl - at)
+
     # -- prefill -----------------------------------------------------------------------------------------
     def _start_prefill(self, server: _PrefillServer) -> None:
         if server.running is not None or not server.queue:
@@ -309,12 +346,24 @@ class Simulator:
         server.running = job
         rec = job.rec
         hits = server.cache.access(job.trace_req.block_hashes)
+        n = job.route.num_prompt_tokens
         # The engine always computes at least the last prompt token (it needs its logits).
-        cached_tokens = min(hits * self.block_tokens, job.route.num_prompt_tokens - 1)
-        new_tokens = job.route.num_prompt_tokens - cached_tokens
+        local_tokens = min(hits * self.block_tokens, n - 1)
+        cached_tokens = local_tokens
+        if not isinstance(server, _DecodeServer):
+            rb = self._readback(job.trace_req, self.now)  # the pin may have expired while queued
+            if rb is not None:
+                cached_tokens = max(local_tokens, min(rb.tokens, n - 1))
+            # The prefill engine reads the pin (or tells the decode engine it needs none): unpinned.
+            self._last_turn.pop(job.trace_req.session_id, None)
+        pulled = cached_tokens - local_tokens
+        new_tokens = n - cached_tokens
         duration = self.timing.prefill_s(new_tokens, cached_tokens)
-        rec.cached_blocks = hits
+        if pulled:
+            duration += self.timing.transfer_s(pulled)
+        rec.cached_blocks = max(hits, cached_tokens // self.block_tokens)
         rec.cached_tokens = cached_tokens
+        rec.pulled_tokens = pulled
         rec.computed_tokens = new_tokens
         rec.prefill_start = self.now
         rec.prefill_end = self.now + duration
@@ -386,6 +435,10 @@ class Simulator:
     def _finish(self, job: _Job) -> None:
         assert job.decision is not None
         job.rec.finish = self.now
+        if self.cfg.readback_ttl_s is not None:
+            r = job.trace_req
+            self._last_turn[r.session_id] = (job.rec.decode_replica, r.block_hashes, self.now)
+            self._note_pins()
         self.load.on_finish(job.route.request_id)
         self.policy.on_finish(job.route, job.decision)
         if job.session_pos is None:
@@ -398,6 +451,16 @@ class Simulator:
             self._at(self.now, _SLOT_START, job.slot)
 
     # -- results -----------------------------------------------------------------------------------------
+    def _note_pins(self) -> None:
+        ttl, cap = self.cfg.readback_ttl_s, self.cfg.capacity_blocks
+        if ttl is None or cap is None:
+            return
+        pinned: dict[str, int] = {}
+        for replica, blocks, finished in self._last_turn.values():
+            if self.now - finished <= ttl:
+                pinned[replica] = pinned.get(replica, 0) + len(blocks)
+        self.pinned_peak = max(self.pinned_peak, max(pinned.values(), default=0) / cap)
+
     def busy_time(self, replica_ids: Iterable[str], until: float) -> list[float]:
         out = []
         for rid in replica_ids:

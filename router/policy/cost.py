@@ -13,7 +13,10 @@ the same estimate over the prompts queued on P (`router.load.LoadTracker` keeps 
 `max_tokens`, capped at `max_output_tokens` because clients often send a large ceiling).
 
 For the local-prefill option (D computes the prompt itself, no P) the same formula applies with P := D and no
-transfer. The selector (`router.policy.selector`) decides which options exist; this module only scores them.
+transfer. With KV readback (`RouteRequest.readback`: the session's previous decode replica keeps its KV
+pinned), "cached on P" is the longer of P's own prefix and the pinned one, and the pull of the difference is
+one more transfer term. The selector (`router.policy.selector`) decides which options exist and adds that
+term; this module only scores them.
 
 Defaults: with every weight 1 the cost would be the request's own estimated end-to-end seconds. That greedy
 choice gives up a cached prefix whenever its holder's queue is longer than the miss, but a miss also occupies
@@ -80,15 +83,20 @@ def estimated_prefill_s(timing: ServiceTimeModel, num_prompt_tokens: int, cached
 # |D|).
 
 
-def queued_s(w: CostWeights, r: ReplicaView) -> float:
-    """Weighted seconds of prefill work queued on `r`."""
+def queued_prefill_s(timing: ServiceTimeModel, r: ReplicaView) -> float:
+    """Estimated seconds of prefill work queued on `r`."""
     if r.queued_prefill_s is not None:
-        return w.queue * r.queued_prefill_s
+        return r.queued_prefill_s
     if r.queued_prefill_tokens <= 0:
         return 0.0
     # Only counts known: the queue as `requests` prompts of the mean size, nothing cached.
     reqs = max(r.queued_prefill_requests, 1)
-    return w.queue * reqs * w.timing.prefill_s(r.queued_prefill_tokens // reqs, 0)
+    return reqs * timing.prefill_s(r.queued_prefill_tokens // reqs, 0)
+
+
+def queued_s(w: CostWeights, r: ReplicaView) -> float:
+    """Weighted seconds of prefill work queued on `r`."""
+    return w.queue * queued_prefill_s(w.timing, r)
 
 
 def prefill_term(w: CostWeights, num_prompt_tokens: int, cached: int, r: ReplicaView) -> float:

@@ -39,6 +39,16 @@ Near the top of the 50-70% band (Claude Code at concurrency 68, seeds 0-4) every
 onto one or two replicas on some seeds (max/mean tokens 1.15-2.6, TTFT P99 up to ~540 s) and the churn term
 makes it somewhat worse (TTFT P99 353-541 s vs 156-537 s with seconds only); `churn_weight: 0` restores that.
 
+KV readback (`RouteRequest.readback`, topology `router.kv_readback_ttl_s`): the session's previous decode
+replica keeps its context pinned, and any prefill replica can pull it over NIXL (~20 ms per 100k tokens across
+nodes on the default model) instead of recomputing it (seconds). A prefill replica's cached prefix is then the
+longer of its own and the pinned one, plus the pull's transfer term, unless its queue outlasts the pin (the
+engine would decline the late read and compute the prompt in full). This is what keeps balance near the top
+of the utilisation band: a session is no longer tied to the prefill replica that holds its context, so the
+queue term moves it when that replica is busy, at the price of a transfer instead of a recompute (Claude Code
+at concurrency 68, seeds 0-2: max/mean prefill tokens 1.08-1.09, TTFT P99 41-68 s, against 1.55-2.62 and
+353-541 s without readback).
+
 Session affinity: a session's next turn goes to the decode replica that served its previous turn (its KV is
 there) while that replica is not overloaded: KV usage below `affinity_max_kv_usage` and active sequences at
 most `affinity_max_load_ratio` x the mean over eligible decode replicas + `affinity_load_slack`. When
@@ -57,6 +67,7 @@ from router.policy.cost import (
     CostWeights,
     decode_term,
     estimated_prefill_s,
+    queued_prefill_s,
     queued_s,
     transfer_term,
 )
@@ -169,6 +180,34 @@ class PdservePolicy:
         def cached(rid: str) -> int:
             return min(matched[rid] * bs, most)
 
+        # A prefill replica can pull what the session's previous decode replica keeps pinned (readback)
+        # instead of computing it: it then starts from the longer of its own prefix and that one, paying the
+        # transfer of the difference.
+        rb = req.readback
+        rb_tokens = 0
+        rb_node: str | None = None
+        if rb is not None and pres:
+            src = next((d for d in decode if d.replica_id == rb.replica_id and d.ready), None)
+            if src is not None:
+                rb_tokens, rb_node = min(rb.tokens, most), src.node_id
+
+        def pulls_in_time(p: ReplicaView) -> bool:
+            # The pull happens when P schedules the prompt, after its queue. A pin that may expire first is
+            # not counted on (the prompt would then be computed in full: a miss the cost did not plan for).
+            assert rb is not None
+            return queued_prefill_s(w.timing, p) < rb.expires_in_s
+
+        def p_cached(p: ReplicaView) -> int:
+            """Tokens prefill replica `p` starts from: its own prefix, or what it can pull."""
+            c = cached(p.replica_id)
+            return rb_tokens if rb_tokens > c and pulls_in_time(p) else c
+
+        def pull_s(p: ReplicaView) -> float:
+            pulled = p_cached(p) - cached(p.replica_id)
+            if pulled <= 0:
+                return 0.0
+            return transfer_term(w, pulled, rb_node is not None and rb_node == p.node_id)
+
         # Replicas holding the same prefix length share one prefill estimate.
         prefill_s: dict[int, float] = {}
 
@@ -194,8 +233,10 @@ class PdservePolicy:
         best_on_node: dict[str, tuple[float, ReplicaView]] = {}
         local_max = cfg.local_prefill_max_tokens
         if pres and any(n - cached(d.replica_id) > local_max for d in candidates):
-            owns = [own_prefill_s(cached(p.replica_id)) for p in pres]
+            owns = [own_prefill_s(p_cached(p)) for p in pres]
             fs = [w.prefill * o + queued_s(w, p) for o, p in zip(owns, pres, strict=True)]
+            if rb_tokens:
+                fs = [f + pull_s(p) for f, p in zip(fs, pres, strict=True)]
             if (cfg.balance_weight or cfg.churn_weight) and len(pres) > 1:
                 fs = self._add_balance(pres, fs)
             i = self._pick(pres, fs, owns)
@@ -232,11 +273,12 @@ class PdservePolicy:
                     total, p = near, local_best[1]
             options.append(total)
             computing.append(p)
-            own.append(own_prefill_s(cached(p.replica_id)))
+            own.append(own_prefill_s(p_cached(p)))
         i = self._pick(candidates, options, own)
         dec, comp = candidates[i], computing[i]
         local = comp is dec
-        self._account(req, comp, cached(comp.replica_id), dec, own_prefill_s(cached(comp.replica_id)))
+        comp_cached = cached(comp.replica_id) if local else p_cached(comp)
+        self._account(req, comp, comp_cached, dec, own_prefill_s(comp_cached))
         if req.session_id is not None:
             if memo_cache is not None:
                 memo_cache.expect_stored(memo, {comp.replica_id, dec.replica_id}, req.block_hashes)
@@ -246,8 +288,9 @@ class PdservePolicy:
             prefill=None if local else comp.replica_id,
             decode=dec.replica_id,
             local_prefill=local,
-            predicted_cached_tokens=cached(comp.replica_id),
+            predicted_cached_tokens=comp_cached,
             predicted_decode_cached_tokens=cached(dec.replica_id),
+            readback_tokens=comp_cached - cached(comp.replica_id),
             cost=options[i],
             reason=f"affinity_{reason}" if affinity else reason,
         )

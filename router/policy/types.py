@@ -9,6 +9,7 @@ blocks of this prompt does each replica hold" (`router.kv_index.KvIndex` impleme
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from typing import Literal, Protocol, runtime_checkable
 
@@ -48,6 +49,16 @@ class ReplicaView(msgspec.Struct, kw_only=True, frozen=True):
         return self.ready and not self.draining
 
 
+class Readback(msgspec.Struct, frozen=True):
+    """KV a decode replica keeps pinned after a session's previous turn, which a prefill replica can pull
+    over NIXL instead of computing (vLLM's bidirectional KV transfer): the first `tokens` tokens of this
+    prompt, held on `replica_id` for another `expires_in_s` seconds (then the engine unpins them)."""
+
+    replica_id: str
+    tokens: int
+    expires_in_s: float = math.inf
+
+
 class RouteRequest(msgspec.Struct, kw_only=True):
     request_id: str
     session_id: str | None
@@ -56,6 +67,8 @@ class RouteRequest(msgspec.Struct, kw_only=True):
     block_hashes: list[int]
     block_size: int
     max_tokens: int
+    # What the session's previous decode replica holds for a prefill replica to pull (None: nothing).
+    readback: Readback | None = None
 
 
 class Decision(msgspec.Struct, kw_only=True):
@@ -67,6 +80,8 @@ class Decision(msgspec.Struct, kw_only=True):
     predicted_cached_tokens: int
     # Prompt tokens the router expects to be cached on the decode replica (what a transfer can skip).
     predicted_decode_cached_tokens: int
+    # Of `predicted_cached_tokens`, those the prefill replica should pull from `RouteRequest.readback`.
+    readback_tokens: int = 0
     cost: float
     # Short machine-friendly label for logs/metrics, e.g. "cost", "local_prefill", "affinity", "round_robin".
     reason: str

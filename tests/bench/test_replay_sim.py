@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
+import msgspec
 import pytest
 
 from bench.replay.cache import LruBlockCache
@@ -14,7 +15,7 @@ from bench.replay.metrics import summarize
 from bench.replay.sim import SimConfig, Simulator
 from bench.replay.traces import BlockHasher, Session, Trace, TraceRequest, infinite_cache_hit_ratio
 from router.policy.service_time import ServiceTimeModel
-from router.policy.types import Decision, PrefixLookup, ReplicaView, RouteRequest
+from router.policy.types import Decision, PrefixLookup, Readback, ReplicaView, RouteRequest
 
 BLOCK = 16
 
@@ -321,3 +322,76 @@ def test_the_policy_sees_queued_prefill_seconds_from_the_routers_load_accounting
     simulate(trace, SimConfig(prefill_replicas=1, decode_replicas=1, timing=timing), policy)
     # The second arrival finds the first prompt (3 blocks + 1 token, nothing cached) queued or running.
     assert policy.seen == [0.0, pytest.approx(timing.prefill_s(3 * BLOCK + 1, 0))]
+
+
+# ---- KV readback ------------------------------------------------------------------------------------------
+
+
+class AlternatingPolicy(FirstReplicaPolicy):
+    """Turn t of a session prefills on p{t % 2}, decodes on d0: every turn lands on a P without its prefix."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.readbacks: dict[str, object] = {}
+
+    def choose(
+        self,
+        req: RouteRequest,
+        prefill: Sequence[ReplicaView],
+        decode: Sequence[ReplicaView],
+        cache: PrefixLookup,
+    ) -> Decision:
+        self.readbacks[req.request_id] = req.readback
+        d = super().choose(req, prefill, decode, cache)
+        turn = int(req.request_id.rsplit("/", 1)[1])
+        return msgspec.structs.replace(d, prefill=prefill[turn % 2].replica_id)
+
+
+def readback_run(
+    ttl: float | None, gap: float = 1.0, capacity: int | None = None
+) -> tuple[Simulator, AlternatingPolicy]:
+    trace = make_trace([[[1, 2, 3], [1, 2, 3, 4, 5]]], closed_loop=True, gaps=gap)
+    policy = AlternatingPolicy()
+    cfg = SimConfig(
+        prefill_replicas=2,
+        decode_replicas=1,
+        capacity_blocks=capacity,
+        concurrency=1,
+        stagger_s=0.0,
+        readback_ttl_s=ttl,
+    )
+    return simulate(trace, cfg, policy), policy
+
+
+def test_readback_pulls_the_previous_turns_prefix_from_its_decode_replica() -> None:
+    sim, policy = readback_run(ttl=60.0)
+    second = {r.request_id: r for r in sim.records}["s0/1"]
+    assert policy.readbacks["s0/1"] == Readback("d0", 3 * BLOCK, expires_in_s=pytest.approx(59.0))
+    assert second.prefill_replica == "p1" and second.pulled_tokens == 3 * BLOCK
+    assert second.cached_blocks == 3 and second.computed_tokens == 2 * BLOCK + 1
+    timing = ServiceTimeModel()
+    pulled = timing.prefill_s(2 * BLOCK + 1, 3 * BLOCK) + timing.transfer_s(3 * BLOCK)
+    assert second.prefill_end - second.prefill_start == pytest.approx(pulled)
+
+
+@pytest.mark.parametrize("ttl", [None, 0.5], ids=["off", "expired"])
+def test_no_readback_when_off_or_expired(ttl: float | None) -> None:
+    sim, policy = readback_run(ttl, gap=1.0)
+    second = {r.request_id: r for r in sim.records}["s0/1"]
+    assert policy.readbacks["s0/1"] is None
+    assert second.pulled_tokens == 0 and second.cached_blocks == 0
+
+
+def test_readback_pulls_only_what_the_decode_replicas_cache_still_holds() -> None:
+    # Capacity 2 blocks: d0 kept the head of turn 0's 3-block prompt (a tail is evicted first).
+    sim, policy = readback_run(ttl=60.0, capacity=2)
+    second = {r.request_id: r for r in sim.records}["s0/1"]
+    assert policy.readbacks["s0/1"] == Readback("d0", 2 * BLOCK, expires_in_s=pytest.approx(59.0))
+    assert second.pulled_tokens == 2 * BLOCK
+
+
+def test_the_largest_pinned_footprint_on_a_decode_replica_is_reported() -> None:
+    sim, _ = readback_run(ttl=60.0, capacity=10)
+    # Turn 0 pins 3 blocks (read by turn 1's prefill), turn 1 pins 5: at most half of d0's 10 blocks.
+    assert sim.pinned_peak == pytest.approx(0.5)
+    assert readback_run(ttl=None, capacity=10)[0].pinned_peak == 0.0

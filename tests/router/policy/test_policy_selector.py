@@ -10,7 +10,7 @@ from router.block_hash import hash_blocks
 from router.kv_index import KvIndex
 from router.policy.cost import CostWeights, cost
 from router.policy.selector import PdservePolicy, PdservePolicyConfig
-from router.policy.types import NoReplicaError, ReplicaView, RouteRequest
+from router.policy.types import NoReplicaError, Readback, ReplicaView, RouteRequest
 
 N = 4096  # prompt tokens (256 blocks)
 
@@ -305,3 +305,53 @@ def test_resumed_prefix_lookup_gives_the_same_decisions_as_full_lookups() -> Non
         if rng.random() < 0.3:
             victim = rng.choice([*pres, *decs]).replica_id
             index.apply_removed(victim, rng.sample(range(engine_hash), 20))
+
+
+def readback_request(tokens: int, expires_in_s: float = 300.0, n: int = N) -> RouteRequest:
+    return msgspec.structs.replace(request(n), readback=Readback("d0", tokens, expires_in_s=expires_in_s))
+
+
+def test_readback_lets_any_prefill_replica_start_from_the_pinned_prefix() -> None:
+    # p0 holds the session's prefix but is busy; d0 keeps it pinned, so idle p1 pulls it instead of
+    # computing it (without readback the 5x-weighted miss keeps the turn on p0).
+    pres = [queued(view("p0"), 2.0), view("p1")]
+    decs = [view("d0", "decode")]
+    n = 64_000
+    lookup = FixedLookup({"p0": 3900, "d0": 3900})
+    plain = PdservePolicy().choose(request(n), pres, decs, lookup)
+    assert plain.prefill == "p0" and plain.readback_tokens == 0
+    d = PdservePolicy().choose(readback_request(3900 * BS, n=n), pres, decs, lookup)
+    assert d.prefill == "p1" and d.readback_tokens == 3900 * BS
+    assert d.predicted_cached_tokens == 3900 * BS  # the engine counts pulled tokens as cached
+
+
+def test_readback_pull_is_charged_as_a_transfer() -> None:
+    # Both prefill replicas idle: the one holding the prefix needs no pull and wins.
+    lookup = FixedLookup({"p1": 200, "d0": 200})
+    d = PdservePolicy().choose(
+        readback_request(200 * BS), [view("p0"), view("p1")], [view("d0", "decode")], lookup
+    )
+    assert d.prefill == "p1" and d.readback_tokens == 0
+    # p1 holds part of it: it pulls the rest.
+    lookup = FixedLookup({"p1": 100, "d0": 200})
+    d = PdservePolicy().choose(readback_request(200 * BS), [view("p1")], [view("d0", "decode")], lookup)
+    assert d.prefill == "p1" and d.readback_tokens == 100 * BS and d.predicted_cached_tokens == 200 * BS
+
+
+def test_readback_is_not_counted_on_past_its_expiry() -> None:
+    # p1's queue outlasts the pin: it would compute the prompt in full, so busy-but-holding p0 wins.
+    pres = [queued(view("p0"), 3.0), queued(view("p1"), 1.0)]
+    decs = [view("d0", "decode")]
+    lookup = FixedLookup({"p0": 3900, "d0": 3900})
+    fresh = PdservePolicy().choose(readback_request(3900 * BS, 60, n=64_000), pres, decs, lookup)
+    assert fresh.prefill == "p1" and fresh.readback_tokens == 3900 * BS
+    late = PdservePolicy().choose(readback_request(3900 * BS, 0.5, n=64_000), pres, decs, lookup)
+    assert late.prefill == "p0" and late.readback_tokens == 0
+
+
+def test_readback_from_a_replica_that_is_gone_is_ignored() -> None:
+    lookup = FixedLookup({"p0": 250})
+    d = PdservePolicy().choose(
+        readback_request(250 * BS), [queued(view("p0"), 3.0), view("p1")], [view("d1", "decode")], lookup
+    )
+    assert d.readback_tokens == 0
