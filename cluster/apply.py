@@ -36,6 +36,7 @@ _RESTART_FIELDS = {
     "router.overload_queue_tokens",
     "router.balance_weight",
     "router.churn_weight",
+    "router.kv_readback_ttl_s",
 }
 # Read by `pdserve apply` itself, from the new file: changing them needs no restart.
 _APPLY_ONLY_FIELDS = {"ray.placement_timeout_s"}

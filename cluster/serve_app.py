@@ -56,6 +56,7 @@ def engine_spec(topo: Topology, role: str) -> EngineSpec:
         engine_args=args,
         kv_transfer=topo.pools.prefill.replicas > 0,
         kv_load_failure_policy=engine.kv_load_failure_policy,
+        kv_readback_ttl_s=topo.router.kv_readback_ttl_s if topo.pools.prefill.replicas > 0 else 0,
         device="cuda" if gpu else "cpu",
         cpu_threads_bind=pool.cpu_engine.threads_bind if not gpu else "auto",
         cpu_kv_cache_gib=pool.cpu_engine.kv_cache_gib if not gpu else 1,

@@ -214,6 +214,9 @@ class Router(_Config, frozen=True, kw_only=True):
     # computed (cache churn) above the pool's mean. PdservePolicyConfig's defaults (a test keeps them equal).
     balance_weight: NonNegativeFloat = 0.2
     churn_weight: NonNegativeFloat = 0.5
+    # KV readback (router/readback.py): decode engines keep each finished turn's KV pinned this long so the
+    # session's next prefill pulls it instead of computing it; 0 = off.
+    kv_readback_ttl_s: NonNegativeInt = 0
 
 
 class Tls(_Config, frozen=True, kw_only=True):

@@ -140,6 +140,12 @@ class EngineHost:
                 "kv_load_failure_policy": spec.kv_load_failure_policy,
                 "engine_id": f"{spec.role}-{self.replica_id}",
             }
+            if spec.kv_readback_ttl_s > 0:
+                # Decode engines pin each finished request's blocks; prefill engines may pull from them.
+                kwargs["kv_transfer_config"]["kv_connector_extra_config"] = {
+                    "bidirectional_kv_xfer": True,
+                    "decoder_kv_blocks_ttl": spec.kv_readback_ttl_s,
+                }
         if self.kv_events_bind is not None:
             kwargs["kv_events_config"] = {
                 "enable_kv_cache_events": True,
@@ -158,7 +164,12 @@ class EngineHost:
         # One sampled token, which is discarded: decode samples the first token itself. ignore_eos and
         # no stop strings make the leg always finish by length, the case in which vLLM hands off KV.
         sampling = Sampling(max_tokens=1, temperature=0.0, ignore_eos=True)
-        params = self._sampling_params(sampling, dict(_PREFILL_KV_PARAMS))
+        kv = dict(_PREFILL_KV_PARAMS)
+        if req.kv_transfer_params:
+            # KV readback: pull the prefix a decode engine keeps pinned, compute the rest.
+            kv.update(req.kv_transfer_params)
+            kv["do_remote_decode"], kv["do_remote_prefill"] = True, False
+        params = self._sampling_params(sampling, kv)
         started = time.monotonic()
         final = None
         async for out in self._llm.generate(
@@ -205,6 +216,8 @@ class EngineHost:
                     num_cached_tokens=int(out.num_cached_tokens or 0),
                     replica_id=self.replica_id,
                     node_id=self.node_id,
+                    # Set only by an engine with KV readback on, for a request given connector params.
+                    pinned_kv=out.kv_transfer_params or None,
                 )
                 return
             if ids and (

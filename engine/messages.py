@@ -35,7 +35,8 @@ class EngineRequest(msgspec.Struct, frozen=True, kw_only=True):
     prompt_token_ids: list[int]
     sampling: Sampling
     # vLLM NixlConnector parameters: None on a plain request; on the decode leg of a disaggregated
-    # request, the prefill leg's returned params (remote engine, block ids, host, port, ...).
+    # request, the prefill leg's returned params (remote engine, block ids, host, port, ...); on a prefill
+    # leg, a decode engine's pinned blocks to pull the prompt's prefix from (KV readback).
     kv_transfer_params: dict[str, Any] | None = None
 
 
@@ -68,6 +69,8 @@ class TokenBatch(msgspec.Struct, frozen=True, kw_only=True):
     num_cached_tokens: int = 0
     replica_id: str = ""
     node_id: str = ""
+    # KV readback on: where this request's blocks stay pinned for a later prefill to pull (vLLM's params).
+    pinned_kv: dict[str, Any] | None = None
 
 
 class EngineStats(msgspec.Struct, frozen=True, kw_only=True):

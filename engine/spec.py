@@ -32,6 +32,9 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     # KV transfer: decode pools with no prefill pool run without a connector (a plain engine).
     kv_transfer: bool = True
     kv_load_failure_policy: Literal["recompute", "fail"] = "recompute"
+    # KV readback (vLLM's bidirectional NIXL transfer): a decode engine keeps a finished request's blocks
+    # pinned this many seconds for a prefill engine to pull (a session's next turn); 0 = off.
+    kv_readback_ttl_s: int = 0
     # CPU engines (gpus == 0): core binding and KV cache size (whole GiB).
     device: Literal["cpu", "cuda"] = "cpu"
     cpu_threads_bind: str = "auto"

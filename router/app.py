@@ -23,6 +23,7 @@ from router.cluster_view import ClusterView
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator
 from router.policy.selector import PdservePolicy, PdservePolicyConfig
+from router.readback import ReadbackTable
 from router.routing import RequestRouter
 from router.server import PdserveService, start_grpc_server
 from router.tokenizer import PromptTokenizer
@@ -78,6 +79,9 @@ class RouterProcess:
                 block_size=topo.model.block_size,
                 has_prefill_pool=has_prefill,
                 overload_queue_tokens=topo.router.overload_queue_tokens,
+                readback=ReadbackTable(block_size=topo.model.block_size, ttl_s=topo.router.kv_readback_ttl_s)
+                if has_prefill and topo.router.kv_readback_ttl_s > 0
+                else None,
             ),
             metrics=self.metrics,
             cluster_status=self.cluster_status,

@@ -66,6 +66,13 @@ class RouterMetrics:
             ["prefill_replica", "decode_replica"],
             registry=r,
         )
+        self.readback_tokens = Counter(
+            "pdserve_kv_readback_tokens",
+            "Prompt tokens the router expects prefill replicas to pull from a decode replica's pinned KV "
+            "instead of computing (KV readback; the engines report what they pulled as external KV).",
+            ["decode_replica"],
+            registry=r,
+        )
         self.paths = Counter("pdserve_serving_path", "Requests by serving path.", ["path"], registry=r)
         self.chat_tokens = Counter(
             "pdserve_chat_prompt_tokens",

@@ -3,7 +3,9 @@
     (a) no prefill leg: the decode replica prefills locally (no prefill pool, or the router decided the
         decode replica already holds all but a small suffix of the prompt)
     (b) prefill leg (max_tokens=1, do_remote_decode) -> kv_transfer_params -> decode leg with those
-        params; the decode engine pulls the KV from the prefill engine over NIXL.
+        params; the decode engine pulls the KV from the prefill engine over NIXL. With KV readback, the
+        prefill leg first pulls the prefix a decode engine kept pinned from the session's previous turn
+        (`Route.readback_params`), so it computes only the rest.
 
 KV bytes never pass through here: only token ids, text and NIXL's small control parameters.
 Cancellation (client gone, deadline) propagates: the Serve call is cancelled, the replica's coroutine is
@@ -27,6 +29,8 @@ log = logging.getLogger(__name__)
 
 # A replica that died or vanished mid-call; Serve replaces it, and a retry goes to a healthy one.
 REPLICA_LOST = (RayActorError, ActorDiedError, ActorUnavailableError)
+# Connector params that move nothing: a decode request with no prefill leg carries them only to be pinned.
+_PIN_ONLY: dict[str, Any] = {"do_remote_prefill": False, "do_remote_decode": False}
 
 
 class NoReplicaError(Exception):
@@ -41,6 +45,13 @@ class Route(msgspec.Struct, frozen=True, kw_only=True):
     prefill_replica: str | None = None
     decode_replica: str | None = None
     predicted_cached_tokens: int = 0
+    # KV readback: the decode engine's pinned blocks the prefill leg pulls the prompt's prefix from.
+    readback_params: dict[str, Any] | None = None
+    # Of predicted_cached_tokens, those the prefill replica is expected to pull with readback_params.
+    readback_tokens: int = 0
+    readback_replica: str = ""
+    # KV readback: have the decode engine pin this request's blocks when it finishes (a session's turn).
+    pin_kv: bool = False
 
 
 class Completion(msgspec.Struct, kw_only=True):
@@ -62,6 +73,10 @@ class Completion(msgspec.Struct, kw_only=True):
     ttft_ms: float
     prefill_ms: float
     e2e_ms: float
+    # KV readback: where the decode engine keeps this request's blocks pinned, and the ids it generated
+    # (prompt + generated ids are what those blocks hold).
+    pinned_kv: dict[str, Any] | None = None
+    output_token_ids: list[int] = []
 
 
 class Orchestrator:
@@ -98,6 +113,9 @@ class Orchestrator:
         if prefill_result is not None:
             on_prefill_done()
 
+        if not kv_params and route.pin_kv:
+            # With readback on, any connector params make the engine pin the request's blocks at the end.
+            kv_params = dict(_PIN_ONLY)
         decode_req = EngineRequest(
             request_id=f"{request_id}-d",
             prompt_token_ids=prompt_token_ids,
@@ -105,6 +123,7 @@ class Orchestrator:
             kv_transfer_params=kv_params,
         )
         completion_tokens = 0
+        generated: list[int] = []
         ttft_ms = 0.0
         # aclosing: if our consumer stops early, the decode stream is cancelled now, not at GC time.
         async with contextlib.aclosing(self._decode_leg(decode_req, route)) as batches:
@@ -114,6 +133,7 @@ class Orchestrator:
                     if prefill_result is None:
                         on_prefill_done()
                 completion_tokens += len(batch.token_ids)
+                generated += batch.token_ids
                 if batch.finish_reason is None:
                     yield batch
                     continue
@@ -136,12 +156,19 @@ class Orchestrator:
                     ttft_ms=ttft_ms,
                     prefill_ms=(prefill_done - started) * 1e3,
                     e2e_ms=(time.monotonic() - started) * 1e3,
+                    pinned_kv=batch.pinned_kv,
+                    output_token_ids=generated if batch.pinned_kv else [],
                 )
                 return
         raise RuntimeError(f"decode stream for {request_id} ended without a final batch")
 
     async def _prefill_leg(self, request_id: str, prompt: list[int], route: Route) -> PrefillResult:
-        req = EngineRequest(request_id=f"{request_id}-p", prompt_token_ids=prompt, sampling=Sampling())
+        req = EngineRequest(
+            request_id=f"{request_id}-p",
+            prompt_token_ids=prompt,
+            sampling=Sampling(),
+            kv_transfer_params=route.readback_params,
+        )
         handle = self._prefill
         assert handle is not None
         # One retry when the replica died under us: Serve routes the retry to a live replica.
@@ -154,6 +181,8 @@ class Orchestrator:
                 if attempt == 2:
                     raise NoReplicaError(f"prefill replica lost twice: {exc}") from exc
                 log.warning("prefill replica lost for %s, retrying: %s", request_id, exc)
+                # The lost replica may have pulled the pinned prefix, which unpins it: never read it twice.
+                req = msgspec.structs.replace(req, kv_transfer_params=None)
             except BaseException:
                 response.cancel()
                 raise

@@ -2,13 +2,16 @@
 
 admission (RESOURCE_EXHAUSTED beyond `overload_queue_tokens` in flight)
   -> hash the prompt's blocks (per session: a new turn hashes only its new blocks)
+  -> what the session's previous decode replica keeps pinned for readback (router.readback), if on
   -> the policy chooses prefill and decode replicas jointly from the KV index and the load
-  -> dispatch is counted (load), the route goes to the orchestrator with the replica hints.
+  -> dispatch is counted (load), the route goes to the orchestrator with the replica hints (and, for a
+     prefill leg, the pinned blocks to pull).
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import msgspec
 
@@ -17,6 +20,7 @@ from router.block_hash import PromptReuse, SessionHasher
 from router.cluster_view import ClusterView
 from router.orchestrator import Route
 from router.policy.types import Decision, Policy, RouteRequest
+from router.readback import ReadbackTable
 
 log = logging.getLogger(__name__)
 
@@ -40,13 +44,16 @@ class RequestRouter:
         block_size: int,
         has_prefill_pool: bool,
         overload_queue_tokens: int,
+        readback: ReadbackTable | None = None,
     ) -> None:
+        """`readback`: the sessions' pinned decode KV (None: KV readback is off)."""
         self._view = view
         self._policy = policy
         self._block_size = block_size
         self._has_prefill = has_prefill_pool
         self._limit = overload_queue_tokens
         self._hasher = SessionHasher(block_size)
+        self._readback = readback
         self._admitted: dict[str, _Admitted] = {}
         self._admitted_tokens = 0
 
@@ -65,6 +72,7 @@ class RequestRouter:
                 f"cluster overloaded: {self._admitted_tokens} prompt tokens in flight "
                 f"(limit {self._limit}); retry later"
             )
+        offer = None if self._readback is None else self._readback.offer(session_id, prompt, reuse)
         req = RouteRequest(
             request_id=request_id,
             session_id=session_id,
@@ -72,6 +80,7 @@ class RequestRouter:
             block_hashes=self._hasher.hash(session_id, prompt, reuse),
             block_size=self._block_size,
             max_tokens=sampling.max_tokens,
+            readback=None if offer is None else offer.readback,
         )
         prefill = self._view.load.views("prefill") if self._has_prefill else []
         decode = self._view.load.views("decode")
@@ -84,16 +93,39 @@ class RequestRouter:
         d = self._policy.choose(req, prefill, decode, self._view.index)  # NoReplicaError: UNAVAILABLE
         self._view.load.on_dispatch(req, d)
         self._admit(request_id, len(prompt), req, d)
+        readback_params, readback_replica = None, ""
+        if offer is not None and d.prefill is not None and session_id is not None:
+            # Handed to the prefill leg even when it holds the prefix itself: its read (or its notice that
+            # it needs none) unpins the blocks on the decode engine.
+            readback_params, readback_replica = offer.params, offer.readback.replica_id
+            assert self._readback is not None
+            self._readback.take(session_id)
         return Route(
             prefill=d.prefill is not None,
             prefill_replica=d.prefill,
             decode_replica=d.decode,
             predicted_cached_tokens=d.predicted_cached_tokens,
+            readback_params=readback_params,
+            readback_tokens=d.readback_tokens,
+            readback_replica=readback_replica,
+            pin_kv=self._readback is not None and session_id is not None,
         )
 
     def _admit(self, request_id: str, tokens: int, req: RouteRequest | None, d: Decision | None) -> None:
         self._admitted[request_id] = _Admitted(tokens, req, d)
         self._admitted_tokens += tokens
+
+    def turn_done(
+        self,
+        session_id: str | None,
+        decode_replica: str,
+        pinned_kv: dict[str, Any] | None,
+        prompt: list[int],
+        output: list[int],
+    ) -> None:
+        """A turn completed on `decode_replica`, which keeps its blocks pinned (`pinned_kv`) for readback."""
+        if self._readback is not None and session_id is not None:
+            self._readback.record(session_id, decode_replica, pinned_kv, prompt, output)
 
     def prefill_done(self, request_id: str) -> None:
         if request_id in self._admitted:

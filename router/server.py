@@ -140,6 +140,10 @@ class PdserveService(pb_grpc.PdserveServicer):
             raise _Aborted(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from exc
         except NoEligibleReplica as exc:
             raise _Aborted(grpc.StatusCode.UNAVAILABLE, f"no ready replica: {exc}") from exc
+        if route.readback_tokens:
+            self._metrics.readback_tokens.labels(decode_replica=route.readback_replica).inc(
+                route.readback_tokens
+            )
         first_token_at: float | None = None
         started = time.monotonic()
         try:
@@ -159,6 +163,13 @@ class PdserveService(pb_grpc.PdserveServicer):
                     )
                 else:
                     self._record(event, first_token_at, started)
+                    self._router.turn_done(
+                        valid.session_id or None,
+                        event.decode_replica,
+                        event.pinned_kv,
+                        prompt_ids,
+                        event.output_token_ids,
+                    )
                     yield pb.GenerateResponse(request_id=request_id, final=_final(event))
         except NoReplicaError as exc:
             raise _Aborted(grpc.StatusCode.UNAVAILABLE, str(exc)) from exc

@@ -25,6 +25,14 @@ def test_no_prefill_pool_means_a_plain_decode_engine_without_a_kv_connector() ->
     assert spec.kv_transfer is False
 
 
+def test_kv_readback_reaches_both_pools_and_only_with_a_prefill_pool() -> None:
+    topo = parse_topology("router: {kv_readback_ttl_s: 480}")
+    assert [engine_spec(topo, role).kv_readback_ttl_s for role in ("prefill", "decode")] == [480, 480]
+    assert engine_spec(parse_topology(""), "decode").kv_readback_ttl_s == 0  # off by default
+    alone = parse_topology("router: {kv_readback_ttl_s: 480}\npools: {prefill: {replicas: 0}}")
+    assert engine_spec(alone, "decode").kv_readback_ttl_s == 0
+
+
 def test_engine_args_pass_through_and_unset_limits_keep_vllm_defaults() -> None:
     topo = parse_topology(
         "pools: {decode: {cpu: {threads_bind: '1'}, engine: {max_num_seqs: 8, extra: {seed: 7}}}}"

@@ -1,9 +1,12 @@
 """KV-aware routing on real engines: one prefill and two decode vLLM replicas, the router fed by the
 engines' own KV events. An agent session's next turn goes to the decode replica holding its previous
-turn, which reports the prefix as cached and prefills only the new suffix itself (no prefill hop)."""
+turn, which reports the prefix as cached and prefills only the new suffix itself (no prefill hop). With KV
+readback on, a turn that does need the prefill hop pulls what the prefill replica lacks of the session's
+context from the decode replica over NIXL instead of computing it."""
 
 from __future__ import annotations
 
+import random
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -22,7 +25,9 @@ SYSTEM = "You are a coding agent. Use the tools to inspect the repository before
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningCluster]:
-    topology = make_topology(tmp_path_factory.mktemp("kv"), pools__decode__replicas=2)
+    topology = make_topology(
+        tmp_path_factory.mktemp("kv"), pools__decode__replicas=2, router__kv_readback_ttl_s=480
+    )
     running = RunningCluster(topology)
     try:
         running.wait_ready()
@@ -129,3 +134,46 @@ def test_a_token_id_session_reuses_its_previous_turns_ids_and_is_served_as_a_ful
     # The same ids without a session (converted in full) give the same greedy reply.
     alone = client.generate_text(token_ids=ids2, max_tokens=8, temperature=0.0)
     assert second.token_ids == alone.token_ids
+
+
+def prefill_external_kv(client: PdserveClient) -> int:
+    return sum(r.prompt_tokens_external_kv for r in client.cluster_status() if r.role == "prefill")
+
+
+def test_a_prefill_leg_pulls_the_sessions_context_from_its_decode_replica(
+    cluster: RunningCluster, client: PdserveClient
+) -> None:
+    rng = random.Random(7)
+
+    def tool_result(n: int) -> list[int]:
+        return [rng.randrange(100, 1000) for _ in range(n)]
+
+    ids1 = tool_result(600)
+    first = client.generate_text(token_ids=ids1, session_id="agent-rb", max_tokens=8, temperature=0.0)
+    assert first.served_by.path == pb.SERVING_PATH_DISAGGREGATED  # the prefill replica now holds ids1
+    time.sleep(1.0)
+    # A short tool result: the decode replica prefills it itself (the prefill replica never sees it) and
+    # keeps the turn's KV pinned.
+    ids2 = ids1 + list(first.token_ids) + tool_result(150)
+    second = client.generate_text(token_ids=ids2, session_id="agent-rb", max_tokens=8, temperature=0.0)
+    assert second.served_by.path == pb.SERVING_PATH_LOCAL_PREFILL
+    time.sleep(1.0)
+    pulled_before = prefill_external_kv(client)
+    decode = second.served_by.decode_replica
+    predicted_before = metric(cluster, "pdserve_kv_readback_tokens_total", decode_replica=decode)
+    # A long one: the prefill hop. The prefill replica holds ids1; the rest of turn 2's context (its reply,
+    # the tool result, turn 2's reply) it pulls from the decode replica instead of computing it.
+    ids3 = ids2 + list(second.token_ids) + tool_result(600)
+    third = client.generate_text(token_ids=ids3, session_id="agent-rb", max_tokens=8, temperature=0.0)
+    assert third.served_by.path == pb.SERVING_PATH_DISAGGREGATED
+    predicted = metric(cluster, "pdserve_kv_readback_tokens_total", decode_replica=decode) - predicted_before
+    # Whole blocks from the end of ids1's blocks to the end of what turn 2's request computed.
+    assert predicted == (len(ids2) + 7) // BLOCK * BLOCK - len(ids1) // BLOCK * BLOCK
+    # The prefill engine reports what it pulled (its stats reach the registry with the next heartbeat).
+    deadline = time.monotonic() + 30
+    while prefill_external_kv(client) == pulled_before and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert prefill_external_kv(client) - pulled_before == predicted
+    # Pulled KV is the same KV: the same ids without a session give the same greedy reply.
+    alone = client.generate_text(token_ids=ids3, max_tokens=8, temperature=0.0)
+    assert third.token_ids == alone.token_ids

@@ -7,6 +7,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 import pytest
 from ray.exceptions import ActorDiedError
 
@@ -178,3 +179,39 @@ async def test_a_consumer_that_stops_early_cancels_the_decode_stream() -> None:
     assert isinstance(first, TokenBatch)
     await events.aclose()  # the client went away
     assert decode.opened[0].cancelled
+
+
+PIN = {"do_remote_decode": True, "remote_engine_id": "decode-D1", "remote_block_ids": [[4, 5]]}
+
+
+def pinned(*ids: int) -> TokenBatch:
+    return msgspec.structs.replace(tokens(*ids, final=True), pinned_kv=PIN)
+
+
+async def test_readback_params_go_to_the_prefill_leg_and_the_pin_comes_back() -> None:
+    readback = {"do_remote_decode": True, "remote_engine_id": "decode-D0", "remote_block_ids": [[9]]}
+    prefill = FakePrefill([prefill_result(KV)])
+    orch = Orchestrator(prefill, FakeDecode([[tokens(1), pinned(2, 3)]]), block_size=32)
+    _, done = await run(orch, Route(prefill=True, readback_params=readback, pin_kv=True))
+    assert prefill.calls[0][0].kv_transfer_params == readback
+    assert done.pinned_kv == PIN and done.output_token_ids == [1, 2, 3]
+
+
+async def test_a_retried_prefill_leg_never_reads_the_pin_twice() -> None:
+    # The lost replica may have read the pinned blocks (which unpins them): the retry computes instead.
+    prefill = FakePrefill([ActorDiedError(), prefill_result(KV)])
+    orch = Orchestrator(prefill, FakeDecode([[tokens(1, final=True)]]), block_size=32)
+    await run(orch, Route(prefill=True, readback_params={"remote_block_ids": [[9]]}))
+    assert [req.kv_transfer_params for req, _ in prefill.calls] == [{"remote_block_ids": [[9]]}, None]
+
+
+async def test_a_local_prefill_of_a_session_asks_decode_to_pin_its_blocks() -> None:
+    decode = FakeDecode([[pinned(1)], [tokens(1, final=True)]])
+    orch = Orchestrator(FakePrefill([]), decode, block_size=32)
+    _, done = await run(orch, Route(prefill=False, pin_kv=True))
+    params = decode.calls[0][0].kv_transfer_params
+    assert params == {"do_remote_prefill": False, "do_remote_decode": False}  # moves nothing, pins
+    assert done.path == "local_prefill" and done.kv_transferred_tokens == 0 and done.pinned_kv == PIN
+    _, done = await run(orch, Route(prefill=False))
+    assert decode.calls[1][0].kv_transfer_params is None and done.pinned_kv is None
+    assert done.output_token_ids == []  # kept only for a pin

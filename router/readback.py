@@ -1,0 +1,148 @@
+"""KV readback: a session's next prefill pulls the prefix its previous decode replica still holds.
+
+With `router.kv_readback_ttl_s` > 0 every decode engine keeps a finished request's KV blocks pinned for that
+long (vLLM's bidirectional NIXL transfer) and says where (`pinned_kv`). This table keeps, per session, the
+latest such pin and the token ids its blocks hold (that turn's prompt + generated ids). For the session's
+next turn it offers the policy what a prefill replica could pull instead of computing (`Readback`), and
+hands the prefill leg the parameters that pull it.
+
+Safety, because a NIXL read copies whatever the named blocks hold:
+- the pull is cut to the blocks whose tokens equal the new prompt's (a client may edit its history), to
+  full blocks, and short of the prompt's last token (the prefill engine computes at least that one);
+- a pin is handed out once (`take`): the read unpins it, and the engine may then reuse those blocks;
+- the engine's own expiry stays in the parameters, so a prefill engine declines a read that comes too late
+  (and computes the prompt instead); the router stops offering a pin `expiry_margin_s` before its TTL.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from router.block_hash import PromptReuse
+from router.policy.types import Readback
+from router.session_store import SessionStore
+
+# Compared in slices this long: list equality runs in C, a Python loop per token would not.
+_CHUNK = 4096
+
+
+class _Pin(msgspec.Struct):
+    decode_replica: str
+    params: dict[str, Any]
+    # The token ids the pinned blocks hold, in order (the turn's prompt, then its generated ids).
+    prompt: list[int]
+    output: list[int]
+    expires_at: float
+
+
+class Offer(msgspec.Struct, frozen=True):
+    readback: Readback
+    # The engine parameters that pull exactly `readback.tokens` tokens (block list and count cut to them).
+    params: dict[str, Any]
+
+
+def common_prefix_len(a: list[int], b: list[int], start: int = 0) -> int:
+    """Length of the common prefix of `a` and `b`, whose first `start` ids are known to be equal."""
+    n = min(len(a), len(b))
+    i = min(start, n)
+    while i < n:
+        j = min(i + _CHUNK, n)
+        if a[i:j] == b[i:j]:
+            i = j
+            continue
+        while a[i] == b[i]:
+            i += 1
+        return i
+    return n
+
+
+class ReadbackTable:
+    def __init__(
+        self,
+        *,
+        block_size: int,
+        ttl_s: float,
+        expiry_margin_s: float = 10.0,
+        max_sessions: int = 10_000,
+        max_tokens: int = 8_000_000,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if block_size <= 0 or ttl_s <= 0:
+            raise ValueError("block_size and ttl_s must be positive")
+        self.block_size = block_size
+        self.ttl_s = ttl_s
+        self.expiry_margin_s = expiry_margin_s
+        self._clock = clock
+        self._pins: SessionStore[_Pin] = SessionStore(
+            max_sessions, max_tokens, lambda p: len(p.prompt) + len(p.output)
+        )
+
+    def __len__(self) -> int:
+        return len(self._pins)
+
+    def record(
+        self,
+        session_id: str,
+        decode_replica: str,
+        params: dict[str, Any] | None,
+        prompt: list[int],
+        output: list[int],
+    ) -> None:
+        """The session's turn finished on `decode_replica`, which pinned its blocks (`params`; None: it did
+        not, and the session has nothing to read back)."""
+        blocks = _block_ids(params)
+        if params is None or not blocks:
+            self._pins.pop(session_id)
+            return
+        # The engine's TTL started when it finished the request, just before this call.
+        expires_at = self._clock() + self.ttl_s - self.expiry_margin_s
+        params = {**params, "remote_block_ids": blocks}
+        self._pins.put(session_id, _Pin(decode_replica, params, prompt, output, expires_at))
+
+    def offer(
+        self, session_id: str | None, prompt: list[int], reuse: PromptReuse | None = None
+    ) -> Offer | None:
+        """What the session's pinned blocks hold of `prompt`'s prefix, if anything still pinned. `reuse`: the
+        ids `prompt` copied from the session's previous prompt (not compared again)."""
+        if session_id is None:
+            return None
+        pin = self._pins.get(session_id)
+        if pin is None:
+            return None
+        left = pin.expires_at - self._clock()
+        if left <= 0:
+            self._pins.pop(session_id)
+            return None
+        known = reuse.tokens if reuse is not None and reuse.base is pin.prompt else 0
+        shared = common_prefix_len(pin.prompt, prompt, known)
+        if shared == len(pin.prompt):
+            shared += common_prefix_len(pin.output, prompt[shared : shared + len(pin.output)])
+        bs = self.block_size
+        held = int(pin.params.get("remote_num_tokens") or 0)
+        tokens = min(shared, held, len(prompt) - 1) // bs * bs
+        blocks = tokens // bs
+        groups = pin.params["remote_block_ids"]
+        if blocks == 0 or any(len(g) < blocks for g in groups):
+            return None
+        params = dict(pin.params)
+        params["remote_block_ids"] = [list(g[:blocks]) for g in groups]
+        params["remote_num_tokens"] = tokens
+        return Offer(Readback(pin.decode_replica, tokens, expires_in_s=left), params)
+
+    def take(self, session_id: str) -> None:
+        """The pin was handed to a prefill leg: reading it unpins it, so it is never offered again."""
+        self._pins.pop(session_id)
+
+
+def _block_ids(params: dict[str, Any] | None) -> list[list[int]]:
+    """vLLM's remote_block_ids: one list per KV cache group (flat in older versions: one group)."""
+    if not params:
+        return []
+    ids = params.get("remote_block_ids") or []
+    if ids and not isinstance(ids[0], list):
+        return [list(ids)]
+    return [list(g) for g in ids]

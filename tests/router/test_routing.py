@@ -1,0 +1,81 @@
+"""RequestRouter with KV readback: a session's pinned decode blocks reach its next prefill leg, once."""
+
+from engine.messages import Sampling
+from router.cluster_view import ClusterView
+from router.policy.selector import PdservePolicy
+from router.readback import ReadbackTable
+from router.routing import RequestRouter
+
+BS = 16
+
+
+def make_router(*, prefill: bool = True, readback: bool = True) -> RequestRouter:
+    view = ClusterView(None, block_size=BS)
+    for rid, role in (("p0", "prefill"), ("d0", "decode")):
+        if role == "prefill" and not prefill:
+            continue
+        view.load.add_replica(rid, role)  # type: ignore[arg-type]
+        view.index.add_replica(rid)
+    return RequestRouter(
+        view=view,
+        policy=PdservePolicy(),
+        block_size=BS,
+        has_prefill_pool=prefill,
+        overload_queue_tokens=1_000_000,
+        readback=ReadbackTable(block_size=BS, ttl_s=480) if readback else None,
+    )
+
+
+def pin(tokens: int) -> dict[str, object]:
+    return {
+        "do_remote_decode": True,
+        "remote_engine_id": "decode-d0",
+        "remote_block_ids": [list(range(-(-tokens // BS)))],
+        "remote_num_tokens": tokens,
+    }
+
+
+PROMPT = list(range(1000, 3000))
+OUTPUT = [7, 8, 9, 10]
+NEXT = PROMPT + OUTPUT + list(range(5000, 6000))
+
+
+def finish_turn(router: RequestRouter, rid: str) -> None:
+    router.turn_done("s", "d0", pin(len(PROMPT) + len(OUTPUT) - 1), PROMPT, OUTPUT)
+    router.finish(rid)
+
+
+def test_a_sessions_turn_asks_decode_to_pin_and_the_next_prefill_pulls_it_once() -> None:
+    router = make_router()
+    first = router.route("t1", "s", PROMPT, Sampling(max_tokens=4))
+    assert first.pin_kv and first.readback_params is None and first.prefill
+    finish_turn(router, "t1")
+    second = router.route("t2", "s", NEXT, Sampling(max_tokens=4))
+    assert second.prefill and second.readback_params is not None
+    # Whole blocks of what the pin holds: the prompt and three of the four reply tokens.
+    assert second.readback_params["remote_num_tokens"] == (len(PROMPT) + 3) // BS * BS
+    assert second.predicted_cached_tokens == second.readback_tokens == (len(PROMPT) + 3) // BS * BS
+    assert second.readback_replica == "d0"
+    router.finish("t2")
+    third = router.route("t3", "s", NEXT, Sampling(max_tokens=4))
+    assert third.readback_params is None  # handed out once: the read unpins it
+
+
+def test_requests_without_a_session_are_not_pinned() -> None:
+    route = make_router().route("t1", None, PROMPT, Sampling(max_tokens=4))
+    assert not route.pin_kv and route.readback_params is None
+
+
+def test_readback_off_pins_nothing() -> None:
+    router = make_router(readback=False)
+    assert not router.route("t1", "s", PROMPT, Sampling(max_tokens=4)).pin_kv
+    finish_turn(router, "t1")
+    assert router.route("t2", "s", NEXT, Sampling(max_tokens=4)).readback_params is None
+
+
+def test_a_turn_prefilled_on_decode_leaves_the_pin_for_a_later_prefill_leg() -> None:
+    router = make_router(prefill=False)
+    router.route("t1", "s", PROMPT, Sampling(max_tokens=4))
+    finish_turn(router, "t1")
+    second = router.route("t2", "s", NEXT, Sampling(max_tokens=4))
+    assert not second.prefill and second.readback_params is None and second.pin_kv
