@@ -12,7 +12,9 @@ turn's ids and say so, `PromptReuse`), and the index has learned where the first
 per case, wall clock and this thread's CPU time (on a shared machine the wall-clock tail is dominated by the
 OS preempting the process; CPU time is the decision's own cost), the index's memory per block, and the CPU of
 `SessionHasher.seal`, which the live router runs when a turn finishes (off the decision's path) so that the
-next turn's prefix check is one tuple hash.
+next turn's prefix check is one tuple hash. `--readback`: KV readback on (`router.kv_readback_ttl_s`): the
+first turn's decode replica pins its KV, and the next turn's decision includes finding what of its prompt the
+pin holds (`router.readback.ReadbackTable.offer`).
 
     .venv/bin/python -m bench.routing_decision [--replicas 8 32 128] [--prompt-tokens 8192 131072]
 """
@@ -31,6 +33,7 @@ from router.kv_index import KvIndex
 from router.load import LoadTracker
 from router.policy.selector import PdservePolicy
 from router.policy.types import RouteRequest
+from router.readback import ReadbackTable
 
 
 def _rss_bytes() -> int:
@@ -75,6 +78,7 @@ def run_case(
     rng: np.random.Generator,
     next_turn_ids: str = "incremental",
     static_index: bool = False,
+    readback: bool = False,
 ) -> dict[str, list[float]]:
     tracker = LoadTracker()
     n_pre = n_replicas // 2
@@ -82,6 +86,7 @@ def run_case(
         tracker.add_replica(f"r{r}", "prefill" if r < n_pre else "decode", node_id=f"n{r // 8}")
     policy = PdservePolicy()
     hasher = SessionHasher(block_size)
+    pins = ReadbackTable(block_size=block_size, ttl_s=480) if readback else None
     next_engine_hash = 1 << 40  # above build_index's engine hashes
     out: dict[str, list[float]] = {"first": [], "next": [], "first_cpu": [], "next_cpu": [], "seal_cpu": []}
     for it in range(iters):
@@ -105,6 +110,7 @@ def run_case(
             c0 = time.thread_time()
             t0 = time.perf_counter()
             hashes = hasher.hash(sid, toks, reuse if case == "next" else None)
+            offer = None if pins is None else pins.offer(sid, toks, reuse if case == "next" else None)
             req = RouteRequest(
                 request_id=f"{sid}-{case}",
                 session_id=sid,
@@ -112,6 +118,7 @@ def run_case(
                 block_hashes=hashes,
                 block_size=block_size,
                 max_tokens=256,
+                readback=None if offer is None else offer.readback,
             )
             d = policy.choose(req, tracker.views("prefill"), tracker.views("decode"), index)
             out[case].append(time.perf_counter() - t0)
@@ -131,6 +138,13 @@ def run_case(
             c0 = time.thread_time()
             hasher.seal(sid)
             out["seal_cpu"].append(time.thread_time() - c0)
+            if pins is not None and case == "first":
+                # The decode engine pinned the turn: its prompt and 16 generated ids.
+                output = rng.integers(0, 150_000, 16).tolist()
+                held = len(toks) + len(output) - 1
+                blocks = list(range(-(-held // block_size)))
+                params = {"remote_block_ids": [blocks], "remote_num_tokens": held}
+                pins.record(sid, d.decode, params, toks, output)
     return out
 
 
@@ -159,6 +173,9 @@ def main() -> None:
         action="store_true",
         help="do not index what each turn stored (default: the index learns it, as from the engines' KV "
         "events, before the next turn)",
+    )
+    ap.add_argument(
+        "--readback", action="store_true", help="KV readback on: the next turn also looks up its pinned KV"
     )
     ap.add_argument(
         "--iters", type=int, default=300, help="per case for 8k prompts (scaled down for longer ones)"
@@ -195,6 +212,7 @@ def main() -> None:
                     rng,
                     args.next_turn_ids,
                     args.static_index,
+                    args.readback,
                 )
             finally:
                 gc.enable()
