@@ -29,9 +29,12 @@ class PolicyResult(msgspec.Struct, kw_only=True):
     # Share of prompt tokens a prefill replica pulled from a decode replica instead of computing (KV
     # readback; counted as hits in hit_ratio, since they were not computed).
     pulled_share: float
-    # KV readback: the most blocks pinned on one decode replica at once / its capacity (not modelled as
-    # taking capacity; in vLLM pinned blocks cannot be evicted or reused until read or expired).
+    # KV readback: the most blocks pinned on one decode replica at once / its cache capacity (1: pins alone
+    # filled it, leaving nothing for other prefixes).
     pinned_peak: float
+    # The most blocks a decode replica's running sequences (and pins) held above its capacity / capacity: KV
+    # demand a real engine would have met by making sequences wait (0: it always fitted).
+    decode_overflow: float
     local_prefill_share: float
     # Busy fraction of the prefill pool over the measurement window (mean over replicas, and the busiest).
     prefill_util: float
@@ -99,6 +102,8 @@ def summarize(
         prefill_tokens_total=total,
         pulled_share=sum(r.pulled_tokens for r in records) / prompt if prompt else 0.0,
         pinned_peak=sim.pinned_peak,
+        decode_overflow=max((s.cache.overflow for s in sim.decode), default=0)
+        / (sim.cfg.capacity_blocks or 1),
         local_prefill_share=sum(r.local_prefill for r in records) / len(records) if records else 0.0,
         prefill_util=sum(utils) / len(utils),
         prefill_util_max=max(utils),
@@ -127,6 +132,7 @@ def format_table(results: Sequence[PolicyResult]) -> str:
         ("local", "{:>6.2f}", lambda r: r.local_prefill_share),
         ("pulled", "{:>6.2f}", lambda r: r.pulled_share),
         ("pinned", "{:>6.2f}", lambda r: r.pinned_peak),
+        ("ovfl", "{:>5.2f}", lambda r: r.decode_overflow),
         ("util", "{:>5.2f}", lambda r: r.prefill_util),
         ("busy_mm", "{:>7.3f}", lambda r: r.busy_max_over_mean),
         ("ttft50", "{:>7.2f}", lambda r: r.ttft_p50_s),

@@ -3,7 +3,8 @@
 The cluster: `prefill_replicas` prefill replicas and `decode_replicas` decode replicas, each its own node
 (an 8-GPU replica fills a node, so every P -> D transfer crosses the network). Every replica holds a
 capacity-bounded LRU prefix cache (`cache.LruBlockCache`) whose BlockStored/BlockRemoved events feed the
-router's index, so the policy under test sees what it would see live (minus event delay). Per request:
+router's index, so the policy under test sees what it would see live (minus event delay); on a decode
+replica, the blocks of running sequences are allocated (pinned) until they finish. Per request:
 
 1. Arrival: the policy gets a `ReplicaView` per replica from the live router's load accounting
    (`router.load.LoadTracker`, told of dispatches, prefill completions and finishes as the router would be,
@@ -17,10 +18,10 @@ router's index, so the policy under test sees what it would see live (minus even
    Readback (`readback_ttl_s`, vLLM's bidirectional KV transfer, for every policy alike): a decode replica
    keeps a finished turn's blocks pinned for that long, and the session's next prefill, wherever it runs,
    pulls the prefix it shares with that turn's prompt instead of computing it (the pull is charged to the
-   prefill replica's time, though vLLM overlaps it with other requests' compute: conservative). Only blocks
-   the decode replica's LRU still holds can be pulled (in vLLM the pin protects them: conservative), and
-   pins do not reduce its capacity (optimistic; `pinned_peak` reports how much of a replica's capacity the
-   pins would have held at most). A prefill reading a pin unpins it.
+   prefill replica's time, though vLLM overlaps it with other requests' compute: conservative). Pinned
+   blocks cannot be evicted and take their share of the decode replica's cache (`cache.LruBlockCache.pin`)
+   and of its KV usage as the router sees it, until a prefill reads them or the TTL passes; a turn
+   prefilled on the decode replica leaves its predecessor's pin to expire (vLLM does the same).
 4. Decode: every active sequence on a replica advances one token per `tpot_s(batch, context)`; the rate is
    recomputed whenever the batch changes; a local prefill on the replica pauses its decoding for its
    duration (no chunked-prefill overlap: the cost local prefill puts on co-located decodes). TTFT = first
@@ -122,7 +123,7 @@ class RequestRecord(msgspec.Struct, kw_only=True):
 class _Job:
     """A request in flight."""
 
-    __slots__ = ("decision", "rec", "route", "session_pos", "slot", "trace_req")
+    __slots__ = ("decision", "pinned", "rec", "route", "session_pos", "slot", "trace_req")
 
     def __init__(self, trace_req: TraceRequest, route: RouteRequest, rec: RequestRecord) -> None:
         self.trace_req = trace_req
@@ -131,6 +132,7 @@ class _Job:
         self.decision: Decision | None = None
         self.session_pos: tuple[Session, int] | None = None
         self.slot = -1
+        self.pinned = False  # its blocks are pinned on its decode replica (a running sequence)
 
 
 class _PrefillServer:
@@ -154,6 +156,20 @@ class _DecodeServer(_PrefillServer):
         self.context_tokens = 0
         self.last_advance = 0.0
         self.version = 0
+
+
+class _Pin:
+    """A finished turn's blocks a decode replica keeps for readback."""
+
+    __slots__ = ("blocks", "expires", "held", "live", "prompt", "replica")
+
+    def __init__(self, replica: str, prompt: tuple[int, ...], held: int, blocks: list[int], expires: float):
+        self.replica = replica
+        self.prompt = prompt  # the turn's prompt blocks
+        self.held = held  # how many of them (leading) were still cached, hence pinned
+        self.blocks = blocks  # the blocks pinned
+        self.expires = expires
+        self.live = True
 
 
 # Event kinds, ordered so that at equal times completions run before arrivals (frees capacity first).
@@ -198,9 +214,10 @@ class Simulator:
         self.records: list[RequestRecord] = []
         self.window_end: float | None = None
         self._pending_sessions: deque[Session] = deque()
-        # Per session: its latest finished turn (decode replica, prompt blocks, finish time), for readback.
-        self._last_turn: dict[str, tuple[str, tuple[int, ...], float]] = {}
-        # Readback: the most blocks pinned on one decode replica at once, as a fraction of its capacity.
+        # Readback: each session's latest pin (the one offered), and every live pin by expiry.
+        self._pins: dict[str, _Pin] = {}
+        self._pin_expiry: list[tuple[float, int, _Pin]] = []
+        # The most blocks pinned on one decode replica at once, as a fraction of its capacity.
         self.pinned_peak = 0.0
         self.decide_s = 0.0
         self.decisions = 0
@@ -215,6 +232,8 @@ class Simulator:
         while self._heap:
             t, kind, _, payload = heapq.heappop(self._heap)
             self.now = t
+            if self._pin_expiry and self._pin_expiry[0][0] <= t:
+                self._expire_pins()
             if kind == _ARRIVAL:
                 self._arrive(payload)
             elif kind == _PREFILL_DONE:
@@ -286,7 +305,9 @@ class Simulator:
 
     def _report_kv_usage(self, server: _DecodeServer) -> None:
         cap = self.cfg.capacity_blocks
-        usage = 0.0 if cap is None else server.context_tokens / (cap * self.block_tokens)
+        # Pinned blocks are allocated, not free: the engine counts them as used.
+        used = server.context_tokens + server.cache.pinned_blocks * self.block_tokens
+        usage = 0.0 if cap is None else used / (cap * self.block_tokens)
         self.load.update_kv_usage(server.replica_id, usage)
 
     def _arrive(self, job: _Job) -> None:
@@ -316,23 +337,46 @@ class Simulator:
 
     def _readback(self, r: TraceRequest, at: float) -> Readback | None:
         """What the session's previous decode replica still keeps pinned of this prompt's prefix at `at`."""
-        ttl = self.cfg.readback_ttl_s
-        if ttl is None:
+        pin = self._pins.get(r.session_id)
+        if pin is None or not pin.live:
             return None
-        last = self._last_turn.get(r.session_id)
-        if last is None or at - last[2] > ttl:
-            return None
-        replica, blocks, finished = last
         shared = 0
-        for a, b in zip(blocks, r.block_hashes, strict=False):
+        for a, b in zip(pin.prompt[: pin.held], r.block_hashes, strict=False):
             if a != b:
                 break
             shared += 1
-        # Only what the replica's LRU still holds (pins are not modelled as protecting blocks: conservative).
-        shared = min(shared, self._servers[replica].cache.prefix_hits(r.block_hashes))
         if not shared:
             return None
-        return Readback(replica, shared * self.block_tokens, expires_in_s=finished + ttl - at)
+        return Readback(pin.replica, shared * self.block_tokens, expires_in_s=pin.expires - at)
+
+    def _pin(self, job: _Job) -> None:
+        """The decode engine keeps the finished turn's blocks (those still present) for a later pull."""
+        ttl = self.cfg.readback_ttl_s
+        assert ttl is not None
+        server = self._servers[job.rec.decode_replica]
+        prompt = job.trace_req.block_hashes
+        assert job.pinned  # a running sequence's blocks: all present, now kept past its end
+        pin = _Pin(server.replica_id, prompt, len(prompt), list(prompt), self.now + ttl)
+        self._pins[job.trace_req.session_id] = pin
+        heapq.heappush(self._pin_expiry, (pin.expires, id(pin), pin))
+        cap = self.cfg.capacity_blocks
+        if cap is not None:
+            self.pinned_peak = max(self.pinned_peak, server.cache.pinned_blocks / cap)
+        assert isinstance(server, _DecodeServer)
+        self._report_kv_usage(server)
+
+    def _unpin(self, pin: _Pin) -> None:
+        if not pin.live:
+            return
+        pin.live = False
+        server = self._servers[pin.replica]
+        server.cache.unpin(pin.blocks)
+        assert isinstance(server, _DecodeServer)
+        self._report_kv_usage(server)
+
+    def _expire_pins(self) -> None:
+        while self._pin_expiry and self._pin_expiry[0][0] <= self.now:
+            self._unpin(heapq.heappop(self._pin_expiry)[2])
 
     # -- prefill -----------------------------------------------------------------------------------------
     def _start_prefill(self, server: _PrefillServer) -> None:
@@ -345,7 +389,9 @@ class Simulator:
             server.version += 1
         server.running = job
         rec = job.rec
-        hits = server.cache.access(job.trace_req.block_hashes)
+        on_decode = isinstance(server, _DecodeServer)
+        hits = server.cache.access(job.trace_req.block_hashes, pin=on_decode)
+        job.pinned = on_decode
         n = job.route.num_prompt_tokens
         # The engine always computes at least the last prompt token (it needs its logits).
         local_tokens = min(hits * self.block_tokens, n - 1)
@@ -355,7 +401,9 @@ class Simulator:
             if rb is not None:
                 cached_tokens = max(local_tokens, min(rb.tokens, n - 1))
             # The prefill engine reads the pin (or tells the decode engine it needs none): unpinned.
-            self._last_turn.pop(job.trace_req.session_id, None)
+            pin = self._pins.pop(job.trace_req.session_id, None)
+            if pin is not None:
+                self._unpin(pin)
         pulled = cached_tokens - local_tokens
         new_tokens = n - cached_tokens
         duration = self.timing.prefill_s(new_tokens, cached_tokens)
@@ -407,8 +455,9 @@ class Simulator:
     def _join_decode(self, job: _Job, server: _DecodeServer) -> None:
         self._advance_decode(server)
         if job.rec.local_prefill is False:
-            # The pulled KV lands in the decode engine's prefix cache.
-            server.cache.access(job.trace_req.block_hashes)
+            # The pulled KV lands in the decode engine's prefix cache, allocated while the sequence runs.
+            server.cache.access(job.trace_req.block_hashes, pin=True)
+            job.pinned = True
         server.remaining[job] = float(job.route.max_tokens)
         server.context_tokens += job.route.num_prompt_tokens
         self._report_kv_usage(server)
@@ -436,9 +485,10 @@ class Simulator:
         assert job.decision is not None
         job.rec.finish = self.now
         if self.cfg.readback_ttl_s is not None:
-            r = job.trace_req
-            self._last_turn[r.session_id] = (job.rec.decode_replica, r.block_hashes, self.now)
-            self._note_pins()
+            self._pin(job)  # the finished sequence's blocks stay allocated for readback
+        elif job.pinned:
+            self._servers[job.rec.decode_replica].cache.unpin(job.trace_req.block_hashes)
+        job.pinned = False
         self.load.on_finish(job.route.request_id)
         self.policy.on_finish(job.route, job.decision)
         if job.session_pos is None:
@@ -451,16 +501,6 @@ class Simulator:
             self._at(self.now, _SLOT_START, job.slot)
 
     # -- results -----------------------------------------------------------------------------------------
-    def _note_pins(self) -> None:
-        ttl, cap = self.cfg.readback_ttl_s, self.cfg.capacity_blocks
-        if ttl is None or cap is None:
-            return
-        pinned: dict[str, int] = {}
-        for replica, blocks, finished in self._last_turn.values():
-            if self.now - finished <= ttl:
-                pinned[replica] = pinned.get(replica, 0) + len(blocks)
-        self.pinned_peak = max(self.pinned_peak, max(pinned.values(), default=0) / cap)
-
     def busy_time(self, replica_ids: Iterable[str], until: float) -> list[float]:
         out = []
         for rid in replica_ids:

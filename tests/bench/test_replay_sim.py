@@ -382,12 +382,14 @@ def test_no_readback_when_off_or_expired(ttl: float | None) -> None:
     assert second.pulled_tokens == 0 and second.cached_blocks == 0
 
 
-def test_readback_pulls_only_what_the_decode_replicas_cache_still_holds() -> None:
-    # Capacity 2 blocks: d0 kept the head of turn 0's 3-block prompt (a tail is evicted first).
+def test_a_running_sequences_blocks_stay_on_decode_beyond_its_capacity_and_are_pulled_whole() -> None:
+    # Capacity 2 blocks, a 3-block prompt: allocated while it decodes and pinned after, so all of it is
+    # pulled; the cache reports the block it held above its capacity.
     sim, policy = readback_run(ttl=60.0, capacity=2)
     second = {r.request_id: r for r in sim.records}["s0/1"]
-    assert policy.readbacks["s0/1"] == Readback("d0", 2 * BLOCK, expires_in_s=pytest.approx(59.0))
-    assert second.pulled_tokens == 2 * BLOCK
+    assert policy.readbacks["s0/1"] == Readback("d0", 3 * BLOCK, expires_in_s=pytest.approx(59.0))
+    assert second.pulled_tokens == 3 * BLOCK
+    assert sim.decode[0].cache.overflow >= 1
 
 
 def test_the_largest_pinned_footprint_on_a_decode_replica_is_reported() -> None:
@@ -395,3 +397,23 @@ def test_the_largest_pinned_footprint_on_a_decode_replica_is_reported() -> None:
     # Turn 0 pins 3 blocks (read by turn 1's prefill), turn 1 pins 5: at most half of d0's 10 blocks.
     assert sim.pinned_peak == pytest.approx(0.5)
     assert readback_run(ttl=None, capacity=10)[0].pinned_peak == 0.0
+
+
+def test_pinned_blocks_stay_cached_take_capacity_and_rejoin_the_lru_when_unpinned() -> None:
+    events = Events()
+    cache = LruBlockCache("d0", 4, events)
+    cache.access([1, 2])
+    assert cache.pin([1, 2, 9]) == [1, 2]  # 9 is not cached: nothing to pin
+    cache.access([3, 4])
+    cache.access([5, 6])  # full: only unpinned blocks are evicted
+    assert 1 in cache and 2 in cache and 3 not in cache and 4 not in cache
+    assert cache.prefix_hits([1, 2]) == 2 and cache.pinned_blocks == 2
+    cache.unpin([1, 2])
+    assert cache.pinned_blocks == 0 and cache.lru_order()[-2:] == [2, 1]  # most recently freed
+    cache.access([7, 8])
+    assert 5 not in cache and 6 not in cache and 1 in cache
+    cache.pin([1, 2])
+    cache.pin([7, 8])
+    cache.access([10])  # every block pinned: a new prompt's blocks are not kept
+    assert 10 not in cache and len(cache) == 4
+    assert [h for _, hs in events.removed for h in hs] == [4, 3, 6, 5, 10]  # a tail before its head
