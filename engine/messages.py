@@ -65,7 +65,8 @@ class TokenBatch(msgspec.Struct, frozen=True, kw_only=True):
     finish_reason: FinishReason | None = None
     stop_reason: str | None = None
     num_prompt_tokens: int = 0
-    # Prompt tokens the decode engine did not compute (local prefix cache + external KV transfer).
+    # Prompt tokens found cached where the prompt was computed, as vLLM reports them: after a KV transfer, the
+    # prefill engine's hits (it passes them along with the KV), else this engine's own.
     num_cached_tokens: int = 0
     replica_id: str = ""
     node_id: str = ""

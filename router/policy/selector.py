@@ -43,11 +43,12 @@ KV readback (`RouteRequest.readback`, topology `router.kv_readback_ttl_s`): the 
 replica keeps its context pinned, and any prefill replica can pull it over NIXL (~20 ms per 100k tokens across
 nodes on the default model) instead of recomputing it (seconds). A prefill replica's cached prefix is then the
 longer of its own and the pinned one, plus the pull's transfer term, unless its queue outlasts the pin (the
-engine would decline the late read and compute the prompt in full). This is what keeps balance near the top
-of the utilisation band: a session is no longer tied to the prefill replica that holds its context, so the
-queue term moves it when that replica is busy, at the price of a transfer instead of a recompute (Claude Code
-at concurrency 68, seeds 0-2: max/mean prefill tokens 1.08-1.09, TTFT P99 41-68 s, against 1.55-2.62 and
-353-541 s without readback).
+engine would decline the late read and compute the prompt in full). A session is then no longer tied to the
+prefill replica holding its context, so the queue term moves it off a busy one for the price of a transfer.
+What it costs is decode KV: pins stay allocated until read or expired. On the Claude Code replay at
+concurrency 68 (seed 0, pins counted against the decode caches): TTL 480 s gives max/mean prefill tokens
+1.08 and TTFT P99 64 s (2.03 and 431 s without readback), but needs three times each decode replica's cache
+for the pins; TTL 120 s fits better (1.5x) and gives 1.31 and 147 s. Off by default for that reason.
 
 Session affinity: a session's next turn goes to the decode replica that served its previous turn (its KV is
 there) while that replica is not overloaded: KV usage below `affinity_max_kv_usage` and active sequences at

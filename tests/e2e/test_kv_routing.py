@@ -174,6 +174,9 @@ def test_a_prefill_leg_pulls_the_sessions_context_from_its_decode_replica(
     while prefill_external_kv(client) == pulled_before and time.monotonic() < deadline:
         time.sleep(0.5)
     assert prefill_external_kv(client) - pulled_before == predicted
+    # What the prefill engine did not compute (its own prefix + the pull) is what the router predicted.
+    assert abs(third.usage.cached_tokens - third.usage.predicted_cached_tokens) <= BLOCK
+    assert third.usage.cached_tokens >= len(ids1) // BLOCK * BLOCK + predicted - BLOCK
     # Pulled KV is the same KV: the same ids without a session give the same greedy reply.
     alone = client.generate_text(token_ids=ids3, max_tokens=8, temperature=0.0)
     assert third.token_ids == alone.token_ids
