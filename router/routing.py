@@ -95,11 +95,14 @@ class RequestRouter:
         self._admit(request_id, len(prompt), req, d)
         readback_params, readback_replica = None, ""
         if offer is not None and d.prefill is not None and session_id is not None:
-            # Handed to the prefill leg even when it holds the prefix itself: its read (or its notice that
-            # it needs none) unpins the blocks on the decode engine.
-            readback_params, readback_replica = offer.params, offer.readback.replica_id
             assert self._readback is not None
             self._readback.take(session_id)
+            source = offer.readback.replica_id
+            # Handed to the prefill leg even when it holds the prefix itself: its read (or its notice that
+            # it needs none) unpins the blocks on the decode engine. Not when that engine is gone: the
+            # prefill engine would only wait on a dead peer before computing the prompt anyway.
+            if any(v.replica_id == source and v.ready for v in decode):
+                readback_params, readback_replica = offer.params, source
         return Route(
             prefill=d.prefill is not None,
             prefill_replica=d.prefill,

@@ -79,3 +79,12 @@ def test_a_turn_prefilled_on_decode_leaves_the_pin_for_a_later_prefill_leg() -> 
     finish_turn(router, "t1")
     second = router.route("t2", "s", NEXT, Sampling(max_tokens=4))
     assert not second.prefill and second.readback_params is None and second.pin_kv
+
+
+def test_a_pin_on_a_decode_replica_that_is_gone_is_not_handed_out() -> None:
+    router = make_router()
+    router.route("t1", "s", PROMPT, Sampling(max_tokens=4))
+    router.turn_done("s", "d9", pin(len(PROMPT) + len(OUTPUT) - 1), PROMPT, OUTPUT)  # d9: not a replica now
+    router.finish("t1")
+    second = router.route("t2", "s", NEXT, Sampling(max_tokens=4))
+    assert second.prefill and second.readback_params is None and second.readback_tokens == 0
