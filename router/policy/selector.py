@@ -48,7 +48,9 @@ prefill replica holding its context, so the queue term moves it off a busy one f
 What it costs is decode KV: pins stay allocated until read or expired. On the Claude Code replay at
 concurrency 68 (seed 0, pins counted against the decode caches): TTL 480 s gives max/mean prefill tokens
 1.08 and TTFT P99 64 s (2.03 and 431 s without readback), but needs three times each decode replica's cache
-for the pins; TTL 120 s fits better (1.5x) and gives 1.31 and 147 s. Off by default for that reason.
+for the pins; TTL 120 s fits better (1.5x) and gives 1.31 and 147 s; 60 s and 30 s are worse than no
+readback (a pin that expires before the next prefill starts turns a planned pull into a full recompute on a
+replica without the prefix). Off by default for that reason.
 
 Session affinity: a session's next turn goes to the decode replica that served its previous turn (its KV is
 there) while that replica is not overloaded: KV usage below `affinity_max_kv_usage` and active sequences at
