@@ -24,6 +24,7 @@ import msgspec
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from engine.messages import EngineRequest, FinishReason, PrefillResult, Sampling, ServingPath, TokenBatch
+from router.readback import block_id_groups
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +134,8 @@ class Orchestrator:
                     if prefill_result is None:
                         on_prefill_done()
                 completion_tokens += len(batch.token_ids)
-                generated += batch.token_ids
+                if route.pin_kv:  # kept only to tell the router what a pin holds
+                    generated += batch.token_ids
                 if batch.finish_reason is None:
                     yield batch
                     continue
@@ -217,10 +219,5 @@ class Orchestrator:
 
     def _handed_off_tokens(self, kv_params: dict[str, Any] | None, prompt_len: int) -> int:
         """Prompt tokens whose KV the prefill engine handed off (its block ids x block size)."""
-        if not kv_params:
-            return 0
-        blocks = kv_params.get("remote_block_ids") or []
-        # remote_block_ids is per KV cache group in recent vLLM ([[...]]), flat in older ones.
-        if blocks and isinstance(blocks[0], list):
-            blocks = blocks[0]
-        return min(len(blocks) * self._block_size, prompt_len)
+        groups = block_id_groups(kv_params)
+        return min(len(groups[0]) * self._block_size, prompt_len) if groups else 0

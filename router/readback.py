@@ -94,7 +94,7 @@ class ReadbackTable:
     ) -> None:
         """The session's turn finished on `decode_replica`, which pinned its blocks (`params`; None: it did
         not, and the session has nothing to read back)."""
-        blocks = _block_ids(params)
+        blocks = block_id_groups(params)
         if params is None or not blocks:
             self._pins.pop(session_id)
             return
@@ -138,7 +138,7 @@ class ReadbackTable:
         self._pins.pop(session_id)
 
 
-def _block_ids(params: dict[str, Any] | None) -> list[list[int]]:
+def block_id_groups(params: dict[str, Any] | None) -> list[list[int]]:
     """vLLM's remote_block_ids: one list per KV cache group (flat in older versions: one group)."""
     if not params:
         return []

@@ -161,13 +161,11 @@ class _DecodeServer(_PrefillServer):
 class _Pin:
     """A finished turn's blocks a decode replica keeps for readback."""
 
-    __slots__ = ("blocks", "expires", "held", "live", "prompt", "replica")
+    __slots__ = ("expires", "live", "prompt", "replica")
 
-    def __init__(self, replica: str, prompt: tuple[int, ...], held: int, blocks: list[int], expires: float):
+    def __init__(self, replica: str, prompt: tuple[int, ...], expires: float):
         self.replica = replica
-        self.prompt = prompt  # the turn's prompt blocks
-        self.held = held  # how many of them (leading) were still cached, hence pinned
-        self.blocks = blocks  # the blocks pinned
+        self.prompt = prompt  # the turn's prompt blocks, all pinned (its running sequence's blocks, kept)
         self.expires = expires
         self.live = True
 
@@ -341,7 +339,7 @@ class Simulator:
         if pin is None or not pin.live:
             return None
         shared = 0
-        for a, b in zip(pin.prompt[: pin.held], r.block_hashes, strict=False):
+        for a, b in zip(pin.prompt, r.block_hashes, strict=False):
             if a != b:
                 break
             shared += 1
@@ -350,13 +348,13 @@ class Simulator:
         return Readback(pin.replica, shared * self.block_tokens, expires_in_s=pin.expires - at)
 
     def _pin(self, job: _Job) -> None:
-        """The decode engine keeps the finished turn's blocks (those still present) for a later pull."""
+        """The decode engine keeps the finished turn's blocks for a later pull."""
         ttl = self.cfg.readback_ttl_s
         assert ttl is not None
         server = self._servers[job.rec.decode_replica]
         prompt = job.trace_req.block_hashes
         assert job.pinned  # a running sequence's blocks: all present, now kept past its end
-        pin = _Pin(server.replica_id, prompt, len(prompt), list(prompt), self.now + ttl)
+        pin = _Pin(server.replica_id, prompt, self.now + ttl)
         self._pins[job.trace_req.session_id] = pin
         heapq.heappush(self._pin_expiry, (pin.expires, id(pin), pin))
         cap = self.cfg.capacity_blocks
@@ -370,7 +368,7 @@ class Simulator:
             return
         pin.live = False
         server = self._servers[pin.replica]
-        server.cache.unpin(pin.blocks)
+        server.cache.unpin(pin.prompt)
         assert isinstance(server, _DecodeServer)
         self._report_kv_usage(server)
 
@@ -396,7 +394,7 @@ class Simulator:
         # The engine always computes at least the last prompt token (it needs its logits).
         local_tokens = min(hits * self.block_tokens, n - 1)
         cached_tokens = local_tokens
-        if not isinstance(server, _DecodeServer):
+        if not on_decode:
             rb = self._readback(job.trace_req, self.now)  # the pin may have expired while queued
             if rb is not None:
                 cached_tokens = max(local_tokens, min(rb.tokens, n - 1))
