@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--local-prefill-max-tokens",
         type=int,
         default=None,
-        help="pdserve's router.local_prefill_max_tokens (default: the policy's, 512): a decode replica "
+        help="pdserve's router.local_prefill_max_tokens (default: the policy's, 1024): a decode replica "
         "holding all but this many prompt tokens prefills the rest itself",
     )
     p.add_argument(

@@ -13,6 +13,7 @@ from ray.serve.schema import ServeDeploySchema
 
 from cluster.serve_config import compile_serve_config, render_rayservice
 from cluster.topology import Topology, load_topology, selector_matches
+from router.policy.selector import PdservePolicyConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -53,6 +54,13 @@ def test_topology_validates_and_compiles(path: Path) -> None:
 @pytest.mark.parametrize("path", sorted(DEPLOY.rglob("*.yaml")), ids=name)
 def test_every_file_is_documented(path: Path) -> None:
     assert path.read_text().startswith("#"), f"{name(path)} should open with a comment saying what it is"
+
+
+def test_the_replays_local_prefill_threshold_is_the_h200_examples() -> None:
+    # The trace replay evaluates PdservePolicyConfig's defaults against H200 service times; the threshold it
+    # measures is the one the H200 example deploys (the topology default is sized for the tiny local model).
+    h200 = load_topology(DEPLOY / "h200-kimi-k2.yaml")
+    assert h200.router.local_prefill_max_tokens == PdservePolicyConfig().local_prefill_max_tokens
 
 
 def test_local_topology_is_the_defaults_written_out() -> None:

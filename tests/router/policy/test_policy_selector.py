@@ -326,16 +326,17 @@ def test_readback_lets_any_prefill_replica_start_from_the_pinned_prefix() -> Non
 
 
 def test_readback_pull_is_charged_as_a_transfer() -> None:
-    # Both prefill replicas idle: the one holding the prefix needs no pull and wins.
-    lookup = FixedLookup({"p1": 200, "d0": 200})
+    # d0 lacks more than the local-prefill threshold, so a prefill replica computes the rest. Both prefill
+    # replicas idle: the one holding the prefix needs no pull and wins.
+    lookup = FixedLookup({"p1": 150, "d0": 150})
     d = PdservePolicy().choose(
-        readback_request(200 * BS), [view("p0"), view("p1")], [view("d0", "decode")], lookup
+        readback_request(150 * BS), [view("p0"), view("p1")], [view("d0", "decode")], lookup
     )
     assert d.prefill == "p1" and d.readback_tokens == 0
     # p1 holds part of it: it pulls the rest.
-    lookup = FixedLookup({"p1": 100, "d0": 200})
-    d = PdservePolicy().choose(readback_request(200 * BS), [view("p1")], [view("d0", "decode")], lookup)
-    assert d.prefill == "p1" and d.readback_tokens == 100 * BS and d.predicted_cached_tokens == 200 * BS
+    lookup = FixedLookup({"p1": 75, "d0": 150})
+    d = PdservePolicy().choose(readback_request(150 * BS), [view("p1")], [view("d0", "decode")], lookup)
+    assert d.prefill == "p1" and d.readback_tokens == 75 * BS and d.predicted_cached_tokens == 150 * BS
 
 
 def test_readback_is_not_counted_on_past_its_expiry() -> None:
