@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -22,6 +21,7 @@ from typing import Any
 import grpc
 import msgspec
 import ray
+from ports import free_port
 from ray_nodes import RayNodes
 
 from cluster.bootstrap import deploy, wait_until_running
@@ -34,12 +34,6 @@ APP = "pdserve"
 OBJECT_STORE = 80 * 1024**2  # several raylets on one small host: keep each object store small
 # Lost nodes are noticed after period x threshold instead of Ray's default ~30 s.
 FAST_NODE_DEATH = {"health_check_period_ms": 1000, "health_check_failure_threshold": 10}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def double_topology(dashboard_port: int, **pools: dict[str, Any]) -> Topology:

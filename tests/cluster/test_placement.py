@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 import ray
-from fake_cluster import OBJECT_STORE, free_port
+from fake_cluster import OBJECT_STORE
+from ports import free_port
 from ray import serve
 from ray.util.state import list_placement_groups
 from ray_nodes import RayNodes

@@ -4,7 +4,6 @@ Ray, real Serve, real vLLM engines on CPU, real NIXL), torn down with `pdserve d
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import psutil
 import yaml
+from ports import free_port
 
 from cluster.bootstrap import RunState, cluster_processes
 from cluster.cli import READY_LINE
@@ -20,12 +20,6 @@ from cluster.cli import READY_LINE
 REPO = Path(__file__).resolve().parents[2]
 PDSERVE = str(Path(sys.executable).with_name("pdserve"))
 UP_TIMEOUT_S = 420
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def make_topology(tmp_path: Path, **overrides: object) -> Path:
