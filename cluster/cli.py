@@ -140,11 +140,13 @@ def _up(args: argparse.Namespace) -> int:
     )
     from cluster.serve_config import compile_serve_config
     from engine.model_source import resolve_model_dir
+    from router.server import ListenError
 
     topo = _load(args.file)
     existing = RunState.load()
     if existing is not None and process_alive(existing.pid):
         raise _UserError(f"a cluster is already up (pid {existing.pid}); run `pdserve down` first")
+    _check_endpoints(topo)
     started = time.monotonic()
     started_wall = time.time()
     model_dir = resolve_model_dir(topo.model.source)
@@ -189,12 +191,24 @@ def _up(args: argparse.Namespace) -> int:
 
         asyncio.run(_serve_router(router, announce))
         return 0
-    except BootstrapError as exc:
+    except (BootstrapError, ListenError) as exc:
         raise _UserError(str(exc)) from exc
     except KeyboardInterrupt:
         return 130
     finally:
         _teardown(address if started_ray else None, started_wall)
+
+
+def _check_endpoints(topo: Any) -> None:
+    """The router's endpoints, checked before Ray and the engines start rather than after (minutes, on a large
+    model). Still checked again when bound: the port can be taken in between."""
+    from router.server import ListenError, check_listen
+
+    try:
+        check_listen("server.grpc_port", topo.server.grpc_host, topo.server.grpc_port)
+        check_listen("server.metrics_port", topo.server.metrics_host, topo.server.metrics_port)
+    except ListenError as exc:
+        raise _UserError(str(exc)) from exc
 
 
 async def _serve_router(router: Any, on_ready: Callable[[], None]) -> None:

@@ -25,7 +25,7 @@ from router.orchestrator import Orchestrator
 from router.policy.selector import PdservePolicy, PdservePolicyConfig
 from router.readback import ReadbackTable
 from router.routing import RequestRouter
-from router.server import PdserveService, start_grpc_server
+from router.server import ListenError, PdserveService, start_grpc_server
 from router.tokenizer import PromptTokenizer
 from router.validation import ModelLimits
 
@@ -95,7 +95,12 @@ class RouterProcess:
         cfg = self.topo.server
         await self.view.refresh()
         view_task = asyncio.create_task(self.view.run(), name="cluster-view")
-        self.metrics.serve(cfg.metrics_host, cfg.metrics_port)
+        try:
+            self.metrics.serve(cfg.metrics_host, cfg.metrics_port)
+        except OSError as exc:
+            raise ListenError(
+                "server.metrics_port", f"{cfg.metrics_host}:{cfg.metrics_port}", exc.strerror or str(exc)
+            ) from exc
         server, health = await start_grpc_server(
             self.service, host=cfg.grpc_host, port=cfg.grpc_port, tls=self._tls, auth_token=self._token
         )

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -302,6 +303,26 @@ def add_pdserve_service(service: PdserveService, server: grpc.aio.Server) -> Non
     server.add_registered_method_handlers(desc.full_name, handlers)
 
 
+class ListenError(OSError):
+    """A configured endpoint cannot be listened on; the message names the topology field."""
+
+    def __init__(self, field: str, address: str, reason: str) -> None:
+        super().__init__(f"{field}: cannot listen on {address} ({reason})")
+
+
+def check_listen(field: str, host: str, port: int) -> None:
+    """Raise ListenError unless `host:port` can be bound now (so `pdserve up` fails before its engines
+    spend minutes starting). SO_REUSEADDR as the servers set it: a port in TIME_WAIT from a previous run is
+    free."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(addr)
+    except OSError as exc:
+        raise ListenError(field, f"{host}:{port}", exc.strerror or str(exc)) from exc
+
+
 async def start_grpc_server(
     service: PdserveService,
     *,
@@ -311,20 +332,25 @@ async def start_grpc_server(
     auth_token: str | None = None,
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
     interceptors = [_TokenAuth(auth_token)] if auth_token else []
-    server = grpc.aio.server(interceptors=interceptors)
+    # gRPC sets SO_REUSEPORT by default: a second server on the same port would then bind too and silently
+    # take half of the connections. Off, it fails to bind instead.
+    server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
     add_pdserve_service(service, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     service_name = pb.DESCRIPTOR.services_by_name["Pdserve"].full_name
     reflection.enable_server_reflection((service_name, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     address = f"{host}:{port}"
-    if tls is not None:
-        key, cert = tls
-        bound = server.add_secure_port(address, grpc.ssl_server_credentials([(key, cert)]))
-    else:
-        bound = server.add_insecure_port(address)
+    try:
+        if tls is not None:
+            key, cert = tls
+            bound = server.add_secure_port(address, grpc.ssl_server_credentials([(key, cert)]))
+        else:
+            bound = server.add_insecure_port(address)
+    except RuntimeError:  # grpcio's "Failed to bind" (older versions return 0 instead)
+        bound = 0
     if bound == 0:
-        raise OSError(f"cannot listen on {address}")
+        raise ListenError("server.grpc_port", address, "in use, or not an address of this machine")
     await server.start()
     await health_servicer.set(service_name, health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
