@@ -18,7 +18,7 @@ import msgspec
 
 from bench.replay.bounds import belady_hit_ratio, pooled_lru_hit_ratio
 from bench.replay.metrics import PolicyResult, format_table
-from bench.replay.policies import select
+from bench.replay.policies import describe_pdserve, pdserve_config, select
 from bench.replay.runner import run_policy, set_load
 from bench.replay.sim import SimConfig
 from bench.replay.timing import DEFAULT_CALIBRATION, model_from_calibration
@@ -128,6 +128,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     knob = f"concurrency {cfg.concurrency}" if trace.closed_loop else f"time scale {cfg.time_scale:.3f}"
     print(f"load: {knob}", flush=True)
+    if "pdserve" in policies:
+        readback = "off" if cfg.readback_ttl_s is None else f"{cfg.readback_ttl_s:g} s"
+        pdserve = describe_pdserve(pdserve_config(args.local_prefill_max_tokens))
+        print(f"{pdserve}; readback {readback}", flush=True)
     results = []
     for name, factory in policies.items():
         results.append(run_policy(trace, name, factory, cfg, bound))

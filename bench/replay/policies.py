@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import msgspec
+
 from router.policy.baselines import (
     LAUNCHER_DEFAULTS,
     RUST_DEFAULTS,
@@ -12,7 +14,6 @@ from router.policy.baselines import (
     RoundRobinPolicy,
     SGLangCacheAwarePolicy,
 )
-from router.policy.cost import CostWeights
 from router.policy.selector import PdservePolicy, PdservePolicyConfig
 from router.policy.service_time import ServiceTimeModel
 from router.policy.types import Policy
@@ -22,15 +23,32 @@ from router.policy.types import Policy
 PolicyFactory = Callable[[ServiceTimeModel], Policy]
 
 
+def pdserve_config(
+    local_prefill_max_tokens: int | None = None, timing: ServiceTimeModel | None = None
+) -> PdservePolicyConfig:
+    """pdserve's policy as the replay runs it: the defaults, costed with the replay's service-time model, and
+    `local_prefill_max_tokens` when given."""
+    cfg = PdservePolicyConfig()
+    if timing is not None:
+        cfg = msgspec.structs.replace(cfg, weights=msgspec.structs.replace(cfg.weights, timing=timing))
+    if local_prefill_max_tokens is not None:
+        cfg = msgspec.structs.replace(cfg, local_prefill_max_tokens=local_prefill_max_tokens)
+    return cfg
+
+
+def describe_pdserve(cfg: PdservePolicyConfig) -> str:
+    """The settings a replay's pdserve numbers depend on, for the report."""
+    return (
+        f"pdserve: local_prefill_max_tokens {cfg.local_prefill_max_tokens}, prefill weight "
+        f"{cfg.weights.prefill:g}, balance {cfg.balance_weight:g}, churn {cfg.churn_weight:g}"
+    )
+
+
 def available_policies(local_prefill_max_tokens: int | None = None) -> dict[str, PolicyFactory]:
     """Name -> factory; `local_prefill_max_tokens` is pdserve's (None: PdservePolicyConfig's default)."""
-    base = PdservePolicyConfig()
-    local = base.local_prefill_max_tokens if local_prefill_max_tokens is None else local_prefill_max_tokens
 
     def pdserve(timing: ServiceTimeModel) -> Policy:
-        return PdservePolicy(
-            PdservePolicyConfig(weights=CostWeights(timing=timing), local_prefill_max_tokens=local)
-        )
+        return PdservePolicy(pdserve_config(local_prefill_max_tokens, timing))
 
     return {
         "pdserve": pdserve,

@@ -1,0 +1,31 @@
+"""The policies a replay compares: pdserve as configured for the run, described in the report, and names."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.replay.policies import available_policies, describe_pdserve, pdserve_config, select
+from router.policy.selector import PdservePolicy, PdservePolicyConfig
+from router.policy.service_time import ServiceTimeModel
+
+
+def test_pdserve_runs_with_the_replays_timing_and_the_given_threshold() -> None:
+    timing = ServiceTimeModel(gemm_flops=123e12)
+    policy = available_policies(2048)["pdserve"](timing)
+    assert isinstance(policy, PdservePolicy)
+    assert policy.config.weights.timing == timing
+    assert policy.config.local_prefill_max_tokens == 2048
+    default = available_policies()["pdserve"](timing)
+    assert isinstance(default, PdservePolicy)
+    assert default.config.local_prefill_max_tokens == PdservePolicyConfig().local_prefill_max_tokens
+
+
+def test_the_report_names_the_settings_pdserves_numbers_depend_on() -> None:
+    line = describe_pdserve(pdserve_config(768))
+    assert line == "pdserve: local_prefill_max_tokens 768, prefill weight 5, balance 0.2, churn 0.5"
+
+
+def test_unknown_policy_names_are_refused_with_the_known_ones() -> None:
+    assert list(select("pdserve, dynamo_kv")) == ["pdserve", "dynamo_kv"]
+    with pytest.raises(ValueError, match=r"unknown policies \['sglang'\]; known: \["):
+        select("pdserve,sglang")
