@@ -200,13 +200,15 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def _check_endpoints(topo: Any) -> None:
-    """The router's endpoints, checked before Ray and the engines start rather than after (minutes, on a large
-    model). Still checked again when bound: the port can be taken in between."""
+    """The ports `pdserve up` will listen on, checked before Ray and the engines start rather than after
+    (minutes, on a large model). The router checks its own again when it binds: one can be taken between."""
     from router.server import ListenError, check_listen
 
     try:
         check_listen("server.grpc_port", topo.server.grpc_host, topo.server.grpc_port)
         check_listen("server.metrics_port", topo.server.metrics_host, topo.server.metrics_port)
+        if topo.ray.address is None:  # we start the Ray head, and with it the dashboard
+            check_listen("ray.dashboard_port", topo.ray.dashboard_host, topo.ray.dashboard_port)
     except ListenError as exc:
         raise _UserError(str(exc)) from exc
 
