@@ -22,7 +22,10 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from cluster.topology import Topology
 
 # `pdserve up` prints a line starting with this once its gRPC endpoint accepts calls; scripts wait for it.
 READY_LINE = "pdserve is up"
@@ -199,7 +202,7 @@ def _up(args: argparse.Namespace) -> int:
         _teardown(address if started_ray else None, started_wall)
 
 
-def _check_endpoints(topo: Any) -> None:
+def _check_endpoints(topo: Topology) -> None:
     """The ports `pdserve up` will listen on, checked before Ray and the engines start rather than after
     (minutes, on a large model). The router checks its own again when it binds: one can be taken between."""
     from router.server import ListenError, check_listen

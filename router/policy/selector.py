@@ -55,9 +55,9 @@ replica without the prefix). Off by default for that reason.
 Local prefill threshold. A decode replica holding all but `local_prefill_max_tokens` of the prompt prefills
 the rest itself: no second hop, no transfer, and the prompt is stored once (on D) instead of on P and D, so
 the pool's caches hold more distinct context. The price is the decode batch's stall while it runs. Default
-1024 (Dynamo's conditional disaggregation defaults to 1000 tokens). Measured on the replay (Claude Code at
-concurrency 56, seeds 0-9; Mooncake): 512 -> 1024 -> 2048 moves 12% -> 45% -> 70% of Claude Code turns to
-local prefill; max/mean prefill tokens 1.07-1.17 -> 1.10-1.13 -> 1.06-1.13, hit/bound 0.975-0.984 ->
+1024 (Dynamo's vLLM worker defaulted `--max-local-prefill-length` to 1000). Measured on the replay (Claude
+Code at concurrency 56, seeds 0-9; Mooncake): 512 -> 1024 -> 2048 moves 12% -> 45% -> 70% of Claude Code turns
+to local prefill; max/mean prefill tokens 1.07-1.17 -> 1.10-1.13 -> 1.06-1.13, hit/bound 0.975-0.984 ->
 0.980-0.984 -> 0.982-0.986, decode TPOT P99 15.2 -> 16.1 -> 18.3 ms; Mooncake hit/bound 0.746 -> 0.811 ->
 0.843 with TTFT P99 7.71 -> 7.59 -> 7.24 s and TPOT P99 20 -> 21 -> 21 ms. 1024 keeps the decode cost small;
 the balance and churn weights and the readback figures above were measured at 512 (weights not re-tuned).
