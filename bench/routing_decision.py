@@ -14,7 +14,8 @@ OS preempting the process; CPU time is the decision's own cost), the index's mem
 `SessionHasher.seal`, which the live router runs when a turn finishes (off the decision's path) so that the
 next turn's prefix check is one tuple hash. `--readback`: KV readback on (`router.kv_readback_ttl_s`): the
 first turn's decode replica pins its KV, and the next turn's decision includes finding what of its prompt the
-pin holds (`router.readback.ReadbackTable.offer`).
+pin holds (`router.readback.ReadbackTable.offer`), and with exports (on with readback) every decode replica's
+cached prefix is a source a prefill replica could pull.
 
     .venv/bin/python -m bench.routing_decision [--replicas 8 32 128] [--prompt-tokens 8192 131072]
 """
@@ -119,6 +120,7 @@ def run_case(
                 block_size=block_size,
                 max_tokens=256,
                 readback=None if offer is None else offer.readback,
+                export_ttl_s=None if pins is None else pins.ttl_s - pins.expiry_margin_s,
             )
             d = policy.choose(req, tracker.views("prefill"), tracker.views("decode"), index)
             out[case].append(time.perf_counter() - t0)

@@ -37,6 +37,7 @@ _RESTART_FIELDS = {
     "router.balance_weight",
     "router.churn_weight",
     "router.kv_readback_ttl_s",
+    "router.kv_readback_exports",
 }
 # Read by `pdserve apply` itself, from the new file: changing them needs no restart.
 _APPLY_ONLY_FIELDS = {"ray.placement_timeout_s"}

@@ -217,6 +217,9 @@ class Router(_Config, frozen=True, kw_only=True):
     # KV readback (router/readback.py): decode engines keep each finished turn's KV pinned this long so the
     # session's next prefill pulls it instead of computing it; 0 = off.
     kv_readback_ttl_s: NonNegativeInt = 0
+    # With readback on: a prefill may also pull a prefix that any decode replica holds in its prefix cache
+    # (the router has that replica pin it first), not only a session's pinned turn.
+    kv_readback_exports: bool = True
 
 
 class Tls(_Config, frozen=True, kw_only=True):

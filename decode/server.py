@@ -4,6 +4,7 @@ transfer parameters) and streams generated tokens back in batches."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
 from engine.messages import EngineRequest, TokenBatch
 from engine.replica import EngineReplica
@@ -16,3 +17,11 @@ class DecodeServer(EngineReplica):
     ) -> AsyncIterator[TokenBatch]:
         async for batch in self.host.generate(req):
             yield batch
+
+    async def export(self, req: EngineRequest, replica_hint: str | None = None) -> dict[str, Any] | None:
+        """KV export: pin a prefix this replica holds for a prefill replica to pull (router/readback.py).
+        Only on the replica the router chose: Serve spills a hinted call to another replica when the hinted
+        one is busy, and that one would compute the whole prefix, stalling its decodes for nothing."""
+        if replica_hint != self.host.replica_id:
+            return None
+        return await self.host.export(req)

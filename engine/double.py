@@ -175,6 +175,24 @@ class DoubleEngineHost:
             self._finished += 1
             yield self._last_batch(ids, "length", len(prompt), cached)
 
+    async def export(self, req: EngineRequest) -> dict[str, Any] | None:
+        """As EngineHost.export: NixlConnector-shaped pin parameters (nothing is pinned or pulled here)."""
+        if self.spec.kv_readback_ttl_s <= 0:
+            return None
+        prompt = req.prompt_token_ids
+        async with self._running(req.request_id, len(prompt)):
+            await self._compute_prompt(prompt)
+        return {
+            "do_remote_prefill": False,
+            "do_remote_decode": True,
+            "remote_engine_id": f"{self.spec.role}-{self.replica_id}",
+            "remote_request_id": req.request_id,
+            "remote_block_ids": list(range(math.ceil(len(prompt) / self.spec.block_size))),
+            "remote_host": self.node_ip,
+            "remote_port": 0,
+            "remote_num_tokens": len(prompt),
+        }
+
     async def abort(self, request_id: str) -> None:
         if request_id in self._running_tokens:
             self._aborted.add(request_id)

@@ -16,7 +16,15 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from engine.messages import EngineRequest, EngineStats, PrefillResult, ReplicaInfo, Sampling, TokenBatch
+from engine.messages import (
+    PIN_ONLY_KV_PARAMS,
+    EngineRequest,
+    EngineStats,
+    PrefillResult,
+    ReplicaInfo,
+    Sampling,
+    TokenBatch,
+)
 from engine.model_source import resolve_model_dir
 from engine.spec import EngineSpec
 from engine.stats import EngineCounters, counters_logger_factory
@@ -227,6 +235,21 @@ class EngineHost:
                 first_sent = True
                 ids, text = [], []
         raise RuntimeError(f"engine stream for {req.request_id} ended without a finished output")
+
+    async def export(self, req: EngineRequest) -> dict[str, Any] | None:
+        """KV export (decode engines, readback on): pin the prompt's blocks for a prefill engine to pull, and
+        say where (vLLM's params; None: the engine pinned nothing). The prompt is a prefix this engine holds
+        in its prefix cache plus one token: a one-token request that computes that token and, finishing
+        with connector params, leaves its blocks pinned for the TTL (or until read)."""
+        params = self._sampling_params(
+            Sampling(max_tokens=1, temperature=0.0, ignore_eos=True), dict(PIN_ONLY_KV_PARAMS)
+        )
+        final = None
+        async for out in self._llm.generate(
+            {"prompt_token_ids": req.prompt_token_ids}, params, request_id=req.request_id
+        ):
+            final = out
+        return (final.kv_transfer_params or None) if final is not None else None
 
     async def abort(self, request_id: str) -> None:
         await self._llm.abort(request_id)

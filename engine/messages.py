@@ -28,6 +28,11 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True):
     ignore_eos: bool = False
 
 
+# NixlConnector params that move no KV. With KV readback on (vLLM's bidirectional transfer), a decode engine
+# pins the blocks of any request that carries connector params when it finishes: these ask only for that.
+PIN_ONLY_KV_PARAMS: dict[str, Any] = {"do_remote_prefill": False, "do_remote_decode": False}
+
+
 class EngineRequest(msgspec.Struct, frozen=True, kw_only=True):
     """One leg of a request as an engine replica receives it: token ids only (the router tokenized)."""
 

@@ -82,6 +82,7 @@ class RouterProcess:
                 readback=ReadbackTable(block_size=topo.model.block_size, ttl_s=topo.router.kv_readback_ttl_s)
                 if has_prefill and topo.router.kv_readback_ttl_s > 0
                 else None,
+                exports=topo.router.kv_readback_exports,
             ),
             metrics=self.metrics,
             cluster_status=self.cluster_status,

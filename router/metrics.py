@@ -69,8 +69,16 @@ class RouterMetrics:
         self.readback_tokens = Counter(
             "pdserve_kv_readback_tokens",
             "Prompt tokens the router expects prefill replicas to pull from a decode replica's pinned KV "
-            "instead of computing (KV readback; the engines report what they pulled as external KV).",
+            "instead of computing (KV readback and exports; the engines report what they pulled as external "
+            "KV).",
             ["decode_replica"],
+            registry=r,
+        )
+        self.exports = Counter(
+            "pdserve_kv_exports",
+            "KV exports (a decode replica asked to pin a cached prefix for a prefill leg to pull), by "
+            "outcome: 'pinned', or 'declined' / 'lost' (the prefill leg computed the prefix instead).",
+            ["outcome"],
             registry=r,
         )
         self.paths = Counter("pdserve_serving_path", "Requests by serving path.", ["path"], registry=r)

@@ -5,7 +5,11 @@
     (b) prefill leg (max_tokens=1, do_remote_decode) -> kv_transfer_params -> decode leg with those
         params; the decode engine pulls the KV from the prefill engine over NIXL. With KV readback, the
         prefill leg first pulls the prefix a decode engine kept pinned from the session's previous turn
-        (`Route.readback_params`), so it computes only the rest.
+        (`Route.readback_params`), so it computes only the rest. Or (KV export, `Route.export_replica`) the
+        router first asks a decode replica to pin a prefix it holds in its prefix cache (a one-token
+        request there), and the prefill leg pulls that. If the export pins nothing (the replica is gone or
+        Serve sent the call elsewhere), the prefill leg computes the prefix itself and the completion says
+        so (`Completion.export`, `note`).
 
 KV bytes never pass through here: only token ids, text and NIXL's small control parameters.
 Cancellation (client gone, deadline) propagates: the Serve call is cancelled, the replica's coroutine is
@@ -23,15 +27,21 @@ from typing import Any
 import msgspec
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
-from engine.messages import EngineRequest, FinishReason, PrefillResult, Sampling, ServingPath, TokenBatch
-from router.readback import block_id_groups
+from engine.messages import (
+    PIN_ONLY_KV_PARAMS,
+    EngineRequest,
+    FinishReason,
+    PrefillResult,
+    Sampling,
+    ServingPath,
+    TokenBatch,
+)
+from router.readback import block_id_groups, cut_pinned
 
 log = logging.getLogger(__name__)
 
 # A replica that died or vanished mid-call; Serve replaces it, and a retry goes to a healthy one.
 REPLICA_LOST = (RayActorError, ActorDiedError, ActorUnavailableError)
-# Connector params that move nothing: a decode request with no prefill leg carries them only to be pinned.
-_PIN_ONLY: dict[str, Any] = {"do_remote_prefill": False, "do_remote_decode": False}
 
 
 class NoReplicaError(Exception):
@@ -53,6 +63,10 @@ class Route(msgspec.Struct, frozen=True, kw_only=True):
     readback_replica: str = ""
     # KV readback: have the decode engine pin this request's blocks when it finishes (a session's turn).
     pin_kv: bool = False
+    # KV export: the decode replica to pin the prompt's first `export_tokens` tokens (which it holds) for the
+    # prefill leg to pull ("": none).
+    export_replica: str = ""
+    export_tokens: int = 0
 
 
 class Completion(msgspec.Struct, kw_only=True):
@@ -78,6 +92,9 @@ class Completion(msgspec.Struct, kw_only=True):
     # (prompt + generated ids are what those blocks hold).
     pinned_kv: dict[str, Any] | None = None
     output_token_ids: list[int] = []
+    # KV export outcome: "" (none asked), "pinned" (the prefill leg pulled from it), "declined" (the replica
+    # pinned nothing) or "lost" (the replica died): in the last two the prefill leg computed the prefix.
+    export: str = ""
 
 
 class Orchestrator:
@@ -101,9 +118,17 @@ class Orchestrator:
         prefill_result: PrefillResult | None = None
         path: ServingPath = "local_prefill"
         note = ""
+        export = ""
         kv_params: dict[str, Any] | None = None
         if route.prefill and self._prefill is not None:
-            prefill_result = await self._prefill_leg(request_id, prompt_token_ids, route)
+            pull = route.readback_params
+            if route.export_replica:
+                pull, export = await self._export(request_id, prompt_token_ids, route)
+                if pull is None:
+                    note = f"KV export from {route.export_replica} {export}: prefill computed the prefix"
+            prefill_result = await self._prefill_leg(
+                request_id, prompt_token_ids, route.prefill_replica, pull
+            )
             kv_params = prefill_result.kv_transfer_params
             if kv_params:
                 path = "disaggregated"
@@ -116,7 +141,7 @@ class Orchestrator:
 
         if not kv_params and route.pin_kv:
             # With readback on, any connector params make the engine pin the request's blocks at the end.
-            kv_params = dict(_PIN_ONLY)
+            kv_params = dict(PIN_ONLY_KV_PARAMS)
         decode_req = EngineRequest(
             request_id=f"{request_id}-d",
             prompt_token_ids=prompt_token_ids,
@@ -160,22 +185,51 @@ class Orchestrator:
                     e2e_ms=(time.monotonic() - started) * 1e3,
                     pinned_kv=batch.pinned_kv,
                     output_token_ids=generated if batch.pinned_kv else [],
+                    export=export,
                 )
                 return
         raise RuntimeError(f"decode stream for {request_id} ended without a final batch")
 
-    async def _prefill_leg(self, request_id: str, prompt: list[int], route: Route) -> PrefillResult:
+    async def _export(
+        self, request_id: str, prompt: list[int], route: Route
+    ) -> tuple[dict[str, Any] | None, str]:
+        """Have `route.export_replica` pin the prompt's first `route.export_tokens` tokens; the params that
+        pull them, and the outcome."""
+        tokens = route.export_tokens
+        req = EngineRequest(
+            request_id=f"{request_id}-x",
+            # One token past the prefix: the engine computes at least one token, and this way every block of
+            # the prefix is a cache hit (the one with the last token would otherwise be recomputed).
+            prompt_token_ids=prompt[: tokens + 1],
+            sampling=Sampling(max_tokens=1),
+        )
+        response = self._decode.export.remote(req, replica_hint=route.export_replica)
+        try:
+            pinned = await response
+        except REPLICA_LOST as exc:
+            log.warning("KV export for %s: decode replica %s lost: %s", request_id, route.export_replica, exc)
+            return None, "lost"
+        except BaseException:
+            response.cancel()
+            raise
+        params = None if pinned is None else cut_pinned(pinned, tokens, self._block_size)
+        return (None, "declined") if params is None else (params, "pinned")
+
+    async def _prefill_leg(
+        self, request_id: str, prompt: list[int], replica: str | None, pull: dict[str, Any] | None
+    ) -> PrefillResult:
+        """`pull`: pinned decode KV of the prompt's prefix to pull instead of computing (readback)."""
         req = EngineRequest(
             request_id=f"{request_id}-p",
             prompt_token_ids=prompt,
             sampling=Sampling(),
-            kv_transfer_params=route.readback_params,
+            kv_transfer_params=pull,
         )
         handle = self._prefill
         assert handle is not None
         # One retry when the replica died under us: Serve routes the retry to a live replica.
         for attempt in (1, 2):
-            hint = route.prefill_replica if attempt == 1 else None
+            hint = replica if attempt == 1 else None
             response = handle.prefill.remote(req, replica_hint=hint)
             try:
                 return await response

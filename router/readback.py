@@ -6,6 +6,11 @@ latest such pin and the token ids its blocks hold (that turn's prompt + generate
 next turn it offers the policy what a prefill replica could pull instead of computing (`Readback`), and
 hands the prefill leg the parameters that pull it.
 
+Exports (`router.kv_readback_exports`): the policy may instead pick a prefix that any decode replica holds in
+its prefix cache (not pinned: a session's evicted pin, another session's shared prefix, a request without a
+session). The orchestrator then has that replica pin it first (a one-token request, `EngineHost.export`),
+and `cut_pinned` cuts what it returns to the prefix the policy counted on.
+
 Safety, because a NIXL read copies whatever the named blocks hold:
 - the pull is cut to the blocks whose tokens equal the new prompt's (a client may edit its history), to
   full blocks, and short of the prompt's last token (the prefill engine computes at least that one);
@@ -121,21 +126,26 @@ class ReadbackTable:
         shared = common_prefix_len(pin.prompt, prompt, known)
         if shared == len(pin.prompt):
             shared += common_prefix_len(pin.output, prompt[shared : shared + len(pin.output)])
-        bs = self.block_size
-        held = int(pin.params.get("remote_num_tokens") or 0)
-        tokens = min(shared, held, len(prompt) - 1) // bs * bs
-        blocks = tokens // bs
-        groups = pin.params["remote_block_ids"]
-        if blocks == 0 or any(len(g) < blocks for g in groups):
+        params = cut_pinned(pin.params, min(shared, len(prompt) - 1), self.block_size)
+        if params is None:
             return None
-        params = dict(pin.params)
-        params["remote_block_ids"] = [list(g[:blocks]) for g in groups]
-        params["remote_num_tokens"] = tokens
-        return Offer(Readback(pin.decode_replica, tokens, expires_in_s=left), params)
+        return Offer(Readback(pin.decode_replica, params["remote_num_tokens"], expires_in_s=left), params)
 
     def take(self, session_id: str) -> None:
         """The pin was handed to a prefill leg: reading it unpins it, so it is never offered again."""
         self._pins.pop(session_id)
+
+
+def cut_pinned(params: dict[str, Any], tokens: int, block_size: int) -> dict[str, Any] | None:
+    """The parameters that pull the first `tokens` tokens (cut to full blocks) of what `params` pins (None:
+    not one full block is pinned there)."""
+    held = int(params.get("remote_num_tokens") or 0)
+    blocks = min(tokens, held) // block_size
+    groups = block_id_groups(params)
+    if blocks == 0 or not groups or any(len(g) < blocks for g in groups):
+        return None
+    cut = [g[:blocks] for g in groups]
+    return {**params, "remote_block_ids": cut, "remote_num_tokens": blocks * block_size}
 
 
 def block_id_groups(params: dict[str, Any] | None) -> list[list[int]]:

@@ -45,8 +45,10 @@ class RequestRouter:
         has_prefill_pool: bool,
         overload_queue_tokens: int,
         readback: ReadbackTable | None = None,
+        exports: bool = False,
     ) -> None:
-        """`readback`: the sessions' pinned decode KV (None: KV readback is off)."""
+        """`readback`: the sessions' pinned decode KV (None: KV readback is off). `exports` (with readback):
+        a prefill leg may also pull a prefix any decode replica holds, which it pins on request."""
         self._view = view
         self._policy = policy
         self._block_size = block_size
@@ -54,6 +56,10 @@ class RequestRouter:
         self._limit = overload_queue_tokens
         self._hasher = SessionHasher(block_size)
         self._readback = readback
+        # How long an exported prefix is counted on: the engines' TTL, less the margin the table keeps.
+        self._export_ttl_s = (
+            readback.ttl_s - readback.expiry_margin_s if readback is not None and exports else None
+        )
         self._admitted: dict[str, _Admitted] = {}
         self._admitted_tokens = 0
 
@@ -81,6 +87,7 @@ class RequestRouter:
             block_size=self._block_size,
             max_tokens=sampling.max_tokens,
             readback=None if offer is None else offer.readback,
+            export_ttl_s=self._export_ttl_s,
         )
         prefill = self._view.load.views("prefill") if self._has_prefill else []
         decode = self._view.load.views("decode")
@@ -94,7 +101,13 @@ class RequestRouter:
         self._view.load.on_dispatch(req, d)
         self._admit(request_id, len(prompt), req, d)
         readback_params, readback_replica = None, ""
-        if offer is not None and d.prefill is not None and session_id is not None:
+        export_replica, export_tokens = "", 0
+        if d.readback_export and d.readback_replica is not None and d.prefill is not None:
+            # The prefill leg starts from `predicted_cached_tokens`: its own prefix, then what it pulls. The
+            # session's pin (if any) is not handed out and expires on its engine.
+            export_replica, export_tokens = d.readback_replica, d.predicted_cached_tokens
+            readback_replica = d.readback_replica
+        elif offer is not None and d.prefill is not None and session_id is not None:
             assert self._readback is not None
             self._readback.take(session_id)
             source = offer.readback.replica_id
@@ -112,6 +125,8 @@ class RequestRouter:
             readback_tokens=d.readback_tokens,
             readback_replica=readback_replica,
             pin_kv=self._readback is not None and session_id is not None,
+            export_replica=export_replica,
+            export_tokens=export_tokens,
         )
 
     def _admit(self, request_id: str, tokens: int, req: RouteRequest | None, d: Decision | None) -> None:

@@ -208,6 +208,8 @@ class PdserveService(pb_grpc.PdserveServicer):
         m.predicted_cached_tokens.inc(c.predicted_cached_tokens)
         m.cache_prediction_error.observe(c.cached_tokens - c.predicted_cached_tokens)
         m.paths.labels(path=c.path).inc()
+        if c.export:
+            m.exports.labels(outcome=c.export).inc()
 
     async def Tokenize(
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext

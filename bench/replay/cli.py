@@ -72,7 +72,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         help="KV readback (topology router.kv_readback_ttl_s), for every policy: decode replicas keep a "
-        "finished turn's KV pinned this long and the session's next prefill pulls it (default: off)",
+        "finished turn's KV pinned this long and the session's next prefill pulls it; pdserve may also pull "
+        "any decode replica's cached prefix, pinned on request (exports) (default: off)",
+    )
+    p.add_argument(
+        "--no-readback-exports",
+        action="store_true",
+        help="with readback: pull only a session's pinned turn, never another cached prefix a decode "
+        "replica exports on request (topology router.kv_readback_exports: false)",
     )
     p.add_argument(
         "--bounds",
@@ -112,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         timing=model_from_calibration(args.calibration),
         readback_ttl_s=args.readback_ttl_s,
+        readback_exports=not args.no_readback_exports,
     )
     fixed = args.concurrency if trace.closed_loop else args.time_scale
     if fixed is not None:
@@ -130,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load: {knob}", flush=True)
     if "pdserve" in policies:
         readback = "off" if cfg.readback_ttl_s is None else f"{cfg.readback_ttl_s:g} s"
+        if cfg.readback_ttl_s is not None:
+            readback += ", exports " + ("on" if cfg.readback_exports else "off")
         pdserve = describe_pdserve(pdserve_config(args.local_prefill_max_tokens))
         print(f"{pdserve}; readback {readback}", flush=True)
     results = []

@@ -29,8 +29,8 @@ class PolicyResult(msgspec.Struct, kw_only=True):
     # Share of prompt tokens a prefill replica pulled from a decode replica instead of computing (KV
     # readback; counted as hits in hit_ratio, since they were not computed).
     pulled_share: float
-    # KV readback: the most blocks pinned on one decode replica at once / its cache capacity (1: pins alone
-    # filled it, leaving nothing for other prefixes).
+    # The most blocks allocated on one decode replica at once (running sequences, and readback pins) / its
+    # cache capacity (1: they filled it, leaving nothing cached for other prefixes).
     pinned_peak: float
     # The most blocks a decode replica's running sequences (and pins) held above its capacity / capacity: KV
     # demand a real engine would have met by making sequences wait (0: it always fitted).

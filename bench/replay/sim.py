@@ -22,6 +22,11 @@ replica, the blocks of running sequences are allocated (pinned) until they finis
    blocks cannot be evicted and take their share of the decode replica's cache (`cache.LruBlockCache.pin`)
    and of its KV usage as the router sees it, until a prefill reads them or the TTL passes; a turn
    prefilled on the decode replica leaves its predecessor's pin to expire (vLLM does the same).
+   Exports (`readback_exports`, with readback): the policy may instead have a prefill replica pull the
+   longest prefix any decode replica holds in its cache; that replica pins it at the decision, for the same
+   TTL (the router's export request: a one-token request on the decode engine, whose compute is not
+   modelled), and the prompt joins the prefill queue one decode step later (the router waits for the pin).
+   A pin that expires before the prefill starts is not pulled: the prompt is computed.
 4. Decode: every active sequence on a replica advances one token per `tpot_s(batch, context)`; the rate is
    recomputed whenever the batch changes; a local prefill on the replica pauses its decoding for its
    duration (no chunked-prefill overlap: the cost local prefill puts on co-located decodes). TTFT = first
@@ -70,6 +75,9 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     # Decode replicas keep a finished turn's KV pinned this long for the session's next prefill to pull
     # (None: no readback; prefill replicas compute whatever they do not hold).
     readback_ttl_s: float | None = None
+    # With readback: the policy may also pull any decode replica's cached prefix (an export), not only the
+    # session's pin.
+    readback_exports: bool = True
     seed: int = 0
     timing: ServiceTimeModel = ServiceTimeModel()
 
@@ -123,7 +131,7 @@ class RequestRecord(msgspec.Struct, kw_only=True):
 class _Job:
     """A request in flight."""
 
-    __slots__ = ("decision", "pinned", "rec", "route", "session_pos", "slot", "trace_req")
+    __slots__ = ("decision", "export", "pinned", "rec", "route", "session_pos", "slot", "trace_req")
 
     def __init__(self, trace_req: TraceRequest, route: RouteRequest, rec: RequestRecord) -> None:
         self.trace_req = trace_req
@@ -133,6 +141,7 @@ class _Job:
         self.session_pos: tuple[Session, int] | None = None
         self.slot = -1
         self.pinned = False  # its blocks are pinned on its decode replica (a running sequence)
+        self.export: _Pin | None = None  # the prefix a decode replica pinned for this prefill to pull
 
 
 class _PrefillServer:
@@ -171,7 +180,7 @@ class _Pin:
 
 
 # Event kinds, ordered so that at equal times completions run before arrivals (frees capacity first).
-_PREFILL_DONE, _TRANSFER_DONE, _DECODE_CHECK, _ARRIVAL, _SLOT_START = range(5)
+_PREFILL_DONE, _TRANSFER_DONE, _DECODE_CHECK, _ARRIVAL, _ENQUEUE, _SLOT_START = range(6)
 
 
 class Simulator:
@@ -215,7 +224,8 @@ class Simulator:
         # Readback: each session's latest pin (the one offered), and every live pin by expiry.
         self._pins: dict[str, _Pin] = {}
         self._pin_expiry: list[tuple[float, int, _Pin]] = []
-        # The most blocks pinned on one decode replica at once, as a fraction of its capacity.
+        # The most blocks allocated on one decode replica at once (running sequences and readback pins), as a
+        # fraction of its capacity.
         self.pinned_peak = 0.0
         self.decide_s = 0.0
         self.decisions = 0
@@ -236,6 +246,8 @@ class Simulator:
                 self._arrive(payload)
             elif kind == _PREFILL_DONE:
                 self._prefill_done(payload)
+            elif kind == _ENQUEUE:
+                self._enqueue(payload)
             elif kind == _TRANSFER_DONE:
                 self._join_decode(payload[0], payload[1])
             elif kind == _DECODE_CHECK:
@@ -285,6 +297,7 @@ class Simulator:
             block_hashes=list(r.block_hashes),
             block_size=self.block_tokens,
             max_tokens=r.num_output_tokens,
+            export_ttl_s=self.cfg.readback_ttl_s if self.cfg.readback_exports else None,
         )
         rec = RequestRecord(
             request_id=r.request_id,
@@ -307,6 +320,8 @@ class Simulator:
         used = server.context_tokens + server.cache.pinned_blocks * self.block_tokens
         usage = 0.0 if cap is None else used / (cap * self.block_tokens)
         self.load.update_kv_usage(server.replica_id, usage)
+        if cap is not None:
+            self.pinned_peak = max(self.pinned_peak, server.cache.pinned_blocks / cap)
 
     def _arrive(self, job: _Job) -> None:
         rec = job.rec
@@ -322,16 +337,36 @@ class Simulator:
         rec.decode_replica = decision.decode
         rec.local_prefill = decision.local_prefill or decision.prefill is None or not self.prefill
         rec.predicted_cached_tokens = decision.predicted_cached_tokens
-        if rec.local_prefill:
-            server: _PrefillServer = self._servers[decision.decode]
-        else:
-            assert decision.prefill is not None
-            server = self._servers[decision.prefill]
-            rec.prefill_replica = decision.prefill
         self.load.on_dispatch(job.route, decision)
+        if rec.local_prefill:
+            self._enqueue(job)
+            return
+        rec.prefill_replica = decision.prefill
+        if decision.readback_export and decision.readback_replica is not None:
+            source = self._servers[decision.readback_replica]
+            assert isinstance(source, _DecodeServer)
+            self._export(job, source, decision.predicted_cached_tokens // self.block_tokens)
+            self._at(self.now + self._tpot(source), _ENQUEUE, job)
+            return
+        self._enqueue(job)
+
+    def _enqueue(self, job: _Job) -> None:
+        assert job.decision is not None
+        rec = job.rec
+        server = self._servers[job.decision.decode if rec.local_prefill else rec.prefill_replica or ""]
         server.queue.append(job)
         if server.running is None:
             self._start_prefill(server)
+
+    def _export(self, job: _Job, server: _DecodeServer, blocks: int) -> None:
+        """The decode replica pins the prompt's first `blocks` blocks (all in its cache) for the prefill."""
+        ttl = self.cfg.readback_ttl_s
+        assert ttl is not None
+        prefix = job.trace_req.block_hashes[: server.cache.prefix_hits(job.trace_req.block_hashes[:blocks])]
+        server.cache.pin(prefix)
+        job.export = pin = _Pin(server.replica_id, tuple(prefix), self.now + ttl)
+        heapq.heappush(self._pin_expiry, (pin.expires, id(pin), pin))
+        self._note_pins(server)
 
     def _readback(self, r: TraceRequest, at: float) -> Readback | None:
         """What the session's previous decode replica still keeps pinned of this prompt's prefix at `at`."""
@@ -357,10 +392,10 @@ class Simulator:
         pin = _Pin(server.replica_id, prompt, self.now + ttl)
         self._pins[job.trace_req.session_id] = pin
         heapq.heappush(self._pin_expiry, (pin.expires, id(pin), pin))
-        cap = self.cfg.capacity_blocks
-        if cap is not None:
-            self.pinned_peak = max(self.pinned_peak, server.cache.pinned_blocks / cap)
         assert isinstance(server, _DecodeServer)
+        self._note_pins(server)
+
+    def _note_pins(self, server: _DecodeServer) -> None:
         self._report_kv_usage(server)
 
     def _unpin(self, pin: _Pin) -> None:
@@ -394,7 +429,13 @@ class Simulator:
         # The engine always computes at least the last prompt token (it needs its logits).
         local_tokens = min(hits * self.block_tokens, n - 1)
         cached_tokens = local_tokens
-        if not on_decode:
+        if job.export is not None:
+            # An export pinned for this prompt: pulled if still pinned (the session's own pin, if any, was
+            # not handed to this prefill and is left to expire).
+            if job.export.live:
+                cached_tokens = max(local_tokens, min(len(job.export.prompt) * self.block_tokens, n - 1))
+            self._unpin(job.export)
+        elif not on_decode:
             rb = self._readback(job.trace_req, self.now)  # the pin may have expired while queued
             if rb is not None:
                 cached_tokens = max(local_tokens, min(rb.tokens, n - 1))

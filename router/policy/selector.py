@@ -195,22 +195,30 @@ class PdservePolicy:
         def cached(rid: str) -> int:
             return min(matched[rid] * bs, most)
 
-        # A prefill replica can pull what the session's previous decode replica keeps pinned (readback)
-        # instead of computing it: it then starts from the longer of its own prefix and that one, paying the
-        # transfer of the difference.
+        # A prefill replica can pull what the session's previous decode replica keeps pinned (readback), or
+        # with exports on, the longest prefix any decode replica holds (it pins it on request), instead of
+        # computing it: it then starts from the longer of its own prefix and that one, paying the transfer
+        # of the difference. The session's pin wins a tie (it needs no export request).
         rb = req.readback
         rb_tokens = 0
-        rb_node: str | None = None
+        rb_src: ReplicaView | None = None
+        rb_left = 0.0  # seconds the source keeps the blocks pinned
+        rb_export = False
         if rb is not None and pres:
-            src = next((d for d in decode if d.replica_id == rb.replica_id and d.ready), None)
-            if src is not None:
-                rb_tokens, rb_node = min(rb.tokens, most), src.node_id
+            rb_src = next((d for d in decode if d.replica_id == rb.replica_id and d.ready), None)
+            if rb_src is not None:
+                rb_tokens, rb_left = min(rb.tokens, most), rb.expires_in_s
+        if req.export_ttl_s is not None and pres:
+            holder = max(decs, key=lambda d: matched[d.replica_id])
+            if cached(holder.replica_id) > rb_tokens:
+                rb_src, rb_tokens, rb_left = holder, cached(holder.replica_id), req.export_ttl_s
+                rb_export = True
+        rb_node = None if rb_src is None else rb_src.node_id
 
         def pulls_in_time(p: ReplicaView) -> bool:
             # The pull happens when P schedules the prompt, after its queue. A pin that may expire first is
             # not counted on (the prompt would then be computed in full: a miss the cost did not plan for).
-            assert rb is not None
-            return queued_prefill_s(w.timing, p) < rb.expires_in_s
+            return queued_prefill_s(w.timing, p) < rb_left
 
         def p_cached(p: ReplicaView) -> int:
             """Tokens prefill replica `p` starts from: its own prefix, or what it can pull."""
@@ -299,13 +307,16 @@ class PdservePolicy:
                 memo_cache.expect_stored(memo, {comp.replica_id, dec.replica_id}, req.block_hashes)
             self._remember(req.session_id, session, dec.replica_id, memo)
         reason = ("no_prefill_replica" if not pres else "local_prefill") if local else "disaggregated"
+        pulled = comp_cached - cached(comp.replica_id)
         return Decision(
             prefill=None if local else comp.replica_id,
             decode=dec.replica_id,
             local_prefill=local,
             predicted_cached_tokens=comp_cached,
             predicted_decode_cached_tokens=cached(dec.replica_id),
-            readback_tokens=comp_cached - cached(comp.replica_id),
+            readback_tokens=pulled,
+            readback_replica=rb_src.replica_id if pulled and rb_src is not None else None,
+            readback_export=rb_export and pulled > 0,
             cost=options[i],
             reason=f"affinity_{reason}" if affinity else reason,
         )

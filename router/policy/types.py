@@ -69,6 +69,9 @@ class RouteRequest(msgspec.Struct, kw_only=True):
     max_tokens: int
     # What the session's previous decode replica holds for a prefill replica to pull (None: nothing).
     readback: Readback | None = None
+    # KV export: any decode replica pins a prefix it holds in its prefix cache, on request, for this many
+    # seconds, for a prefill replica to pull (None: off; only `readback` can be pulled).
+    export_ttl_s: float | None = None
 
 
 class Decision(msgspec.Struct, kw_only=True):
@@ -80,8 +83,12 @@ class Decision(msgspec.Struct, kw_only=True):
     predicted_cached_tokens: int
     # Prompt tokens the router expects to be cached on the decode replica (what a transfer can skip).
     predicted_decode_cached_tokens: int
-    # Of `predicted_cached_tokens`, those the prefill replica should pull from `RouteRequest.readback`.
+    # Of `predicted_cached_tokens`, those the prefill replica should pull from decode replica
+    # `readback_replica`: the session's pin (`RouteRequest.readback`), or, with `readback_export`, a prefix
+    # that replica is first asked to pin (`RouteRequest.export_ttl_s`).
     readback_tokens: int = 0
+    readback_replica: str | None = None
+    readback_export: bool = False
     cost: float
     # Short machine-friendly label for logs/metrics, e.g. "cost", "local_prefill", "affinity", "round_robin".
     reason: str

@@ -392,11 +392,11 @@ def test_a_running_sequences_blocks_stay_on_decode_beyond_its_capacity_and_are_p
     assert sim.decode[0].cache.overflow >= 1
 
 
-def test_the_largest_pinned_footprint_on_a_decode_replica_is_reported() -> None:
-    sim, _ = readback_run(ttl=60.0, capacity=10)
-    # Turn 0 pins 3 blocks (read by turn 1's prefill), turn 1 pins 5: at most half of d0's 10 blocks.
-    assert sim.pinned_peak == pytest.approx(0.5)
-    assert readback_run(ttl=None, capacity=10)[0].pinned_peak == 0.0
+def test_the_largest_allocated_footprint_on_a_decode_replica_is_reported() -> None:
+    # Turn 1 runs with 5 blocks allocated: half of d0's 10 blocks.
+    assert readback_run(ttl=None, capacity=10)[0].pinned_peak == pytest.approx(0.5)
+    # Turn 0 then pins 3 blocks, read by turn 1's prefill before turn 1's blocks are allocated; turn 1 pins 5.
+    assert readback_run(ttl=60.0, capacity=10)[0].pinned_peak == pytest.approx(0.5)
 
 
 def test_pinned_blocks_stay_cached_take_capacity_and_rejoin_the_lru_when_unpinned() -> None:
@@ -417,3 +417,66 @@ def test_pinned_blocks_stay_cached_take_capacity_and_rejoin_the_lru_when_unpinne
     cache.access([10])  # every block pinned: a new prompt's blocks are not kept
     assert 10 not in cache and len(cache) == 4
     assert [h for _, hs in events.removed for h in hs] == [4, 3, 6, 5, 10]  # a tail before its head
+
+
+class ExportingPolicy(FirstReplicaPolicy):
+    """Turn 0 prefills on p0; turn 1 on p1, pulling what d0 holds of its prompt through an export."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.export_ttls: list[float | None] = []
+
+    def choose(
+        self,
+        req: RouteRequest,
+        prefill: Sequence[ReplicaView],
+        decode: Sequence[ReplicaView],
+        cache: PrefixLookup,
+    ) -> Decision:
+        self.export_ttls.append(req.export_ttl_s)
+        d = super().choose(req, prefill, decode, cache)
+        if req.request_id.endswith("/0"):
+            return d
+        held = cache.matched_blocks(req.block_hashes, ["d0"])["d0"] * req.block_size
+        return msgspec.structs.replace(
+            d,
+            prefill="p1",
+            predicted_cached_tokens=held,
+            readback_tokens=held,
+            readback_replica="d0",
+            readback_export=True,
+        )
+
+
+def export_run(ttl: float, exports: bool = True) -> tuple[Simulator, ExportingPolicy]:
+    trace = make_trace([[[1, 2, 3], [1, 2, 3, 4, 5]]], closed_loop=True, gaps=1.0)
+    policy = ExportingPolicy()
+    cfg = SimConfig(
+        prefill_replicas=2,
+        decode_replicas=1,
+        concurrency=1,
+        stagger_s=0.0,
+        readback_ttl_s=ttl,
+        readback_exports=exports,
+    )
+    return simulate(trace, cfg, policy), policy
+
+
+def test_an_exported_prefix_is_pinned_at_the_decision_and_pulled_one_decode_step_later() -> None:
+    sim, policy = export_run(ttl=60.0)
+    assert policy.export_ttls == [60.0, 60.0]
+    second = {r.request_id: r for r in sim.records}["s0/1"]
+    assert second.prefill_replica == "p1" and second.pulled_tokens == 3 * BLOCK
+    assert second.cached_blocks == 3 and second.computed_tokens == 2 * BLOCK + 1
+    # The router waits for the decode replica to pin the prefix: one decode step on its (idle) batch.
+    assert second.prefill_start - second.arrival == pytest.approx(ServiceTimeModel().tpot_s(0, 0))
+
+
+def test_an_export_that_expires_before_the_prefill_starts_is_not_pulled() -> None:
+    sim, _ = export_run(ttl=ServiceTimeModel().tpot_s(0, 0) / 2)
+    second = {r.request_id: r for r in sim.records}["s0/1"]
+    assert second.pulled_tokens == 0 and second.computed_tokens == 5 * BLOCK + 1
+
+
+def test_without_exports_the_policy_is_not_offered_them() -> None:
+    assert export_run(ttl=60.0, exports=False)[1].export_ttls == [None, None]

@@ -180,3 +180,38 @@ def test_a_prefill_leg_pulls_the_sessions_context_from_its_decode_replica(
     # Pulled KV is the same KV: the same ids without a session give the same greedy reply.
     alone = client.generate_text(token_ids=ids3, max_tokens=8, temperature=0.0)
     assert third.token_ids == alone.token_ids
+
+
+def test_a_prefix_cached_only_on_a_decode_replica_is_exported_to_a_prefill_leg(
+    cluster: RunningCluster, client: PdserveClient
+) -> None:
+    rng = random.Random(11)
+
+    def tool_result(n: int) -> list[int]:
+        return [rng.randrange(100, 1000) for _ in range(n)]
+
+    ids1 = tool_result(600)
+    first = client.generate_text(token_ids=ids1, session_id="agent-ex", max_tokens=8, temperature=0.0)
+    time.sleep(1.0)
+    ids2 = ids1 + list(first.token_ids) + tool_result(150)
+    second = client.generate_text(token_ids=ids2, session_id="agent-ex", max_tokens=8, temperature=0.0)
+    assert second.served_by.path == pb.SERVING_PATH_LOCAL_PREFILL  # only that decode replica holds ids2
+    time.sleep(1.0)
+    exported_before = metric(cluster, "pdserve_kv_exports_total", outcome="pinned")
+    pulled_before = prefill_external_kv(client)
+    # Without a session there is no pinned turn to read back: the router has the decode replica pin the
+    # prefix it caches (an export), and the prefill leg pulls it instead of computing it.
+    ids3 = ids2 + list(second.token_ids) + tool_result(600)
+    third = client.generate_text(token_ids=ids3, max_tokens=8, temperature=0.0)
+    assert third.served_by.path == pb.SERVING_PATH_DISAGGREGATED
+    assert metric(cluster, "pdserve_kv_exports_total", outcome="pinned") - exported_before == 1
+    deadline = time.monotonic() + 30
+    while prefill_external_kv(client) == pulled_before and time.monotonic() < deadline:
+        time.sleep(0.5)
+    pulled = prefill_external_kv(client) - pulled_before
+    # The prefill replica held ids1's blocks; it pulled the rest of the decode replica's cached prefix.
+    assert pulled >= (len(ids2) // BLOCK - len(ids1) // BLOCK) * BLOCK
+    assert abs(third.usage.cached_tokens - third.usage.predicted_cached_tokens) <= BLOCK
+    # Pulled KV is the same KV: the same ids again give the same greedy reply.
+    again = client.generate_text(token_ids=ids3, max_tokens=8, temperature=0.0)
+    assert third.token_ids == again.token_ids

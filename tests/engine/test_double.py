@@ -150,3 +150,10 @@ def test_the_spec_travels_through_the_replica_environment(monkeypatch: pytest.Mo
     for key, value in spec_env(original).items():
         monkeypatch.setenv(key, value)
     assert spec_from_env() == original
+
+
+async def test_an_export_returns_pin_parameters_only_with_readback_on() -> None:
+    req = request([1, 2, 3, 4, 5, 6, 7, 8, 9])
+    assert await host().export(req) is None
+    pinned = await host(kv_readback_ttl_s=60).export(req)
+    assert pinned is not None and pinned["remote_num_tokens"] == 9 and pinned["remote_block_ids"] == [0, 1, 2]

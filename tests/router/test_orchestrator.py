@@ -215,3 +215,52 @@ async def test_a_local_prefill_of_a_session_asks_decode_to_pin_its_blocks() -> N
     _, done = await run(orch, Route(prefill=False))
     assert decode.calls[1][0].kv_transfer_params is None and done.pinned_kv is None
     assert done.output_token_ids == []  # kept only for a pin
+
+
+class FakeExport:
+    """The decode deployment's `export` method: answers with pinned params, None, or an exception."""
+
+    def __init__(self, result: Any) -> None:
+        self.result = result
+        self.calls: list[tuple[EngineRequest, str | None]] = []
+
+    def remote(self, req: EngineRequest, replica_hint: str | None = None) -> _Call:
+        self.calls.append((req, replica_hint))
+        return _Call(self.result)
+
+
+EXPORTED = {"do_remote_decode": True, "remote_block_ids": [[4, 5, 6, 7]], "remote_num_tokens": 65}
+
+
+async def export_run(result: Any) -> tuple[FakeExport, FakePrefill, Completion]:
+    prefill = FakePrefill([prefill_result(KV)])
+    decode = FakeDecode([[tokens(1, final=True)]])
+    decode.export = FakeExport(result)  # type: ignore[attr-defined]
+    orch = Orchestrator(prefill, decode, block_size=16)
+    route = Route(prefill=True, prefill_replica="P1", export_replica="D2", export_tokens=48)
+    _, done = await run(orch, route)
+    return decode.export, prefill, done  # type: ignore[attr-defined]
+
+
+async def test_an_export_pins_the_prefix_on_the_chosen_decode_replica_and_the_prefill_leg_pulls_it() -> None:
+    export, prefill, done = await export_run(EXPORTED)
+    req, hint = export.calls[0]
+    # Only the chosen replica may answer; the prompt is the prefix and one token more (every prefix block is
+    # then a cache hit), generating one token.
+    assert hint == "D2" and req.prompt_token_ids == PROMPT[:49] and req.sampling.max_tokens == 1
+    # The prefill leg pulls exactly the exported prefix: three whole blocks.
+    pull = prefill.calls[0][0].kv_transfer_params
+    assert pull == {**EXPORTED, "remote_block_ids": [[4, 5, 6]], "remote_num_tokens": 48}
+    assert done.export == "pinned" and done.note == ""
+
+
+@pytest.mark.parametrize(
+    ("result", "outcome"), [(None, "declined"), (ActorDiedError(), "lost")], ids=["declined", "lost"]
+)
+async def test_an_export_that_pins_nothing_leaves_the_prefill_leg_to_compute_and_says_so(
+    result: Any, outcome: str
+) -> None:
+    _, prefill, done = await export_run(result)
+    assert prefill.calls[0][0].kv_transfer_params is None
+    assert done.export == outcome and "computed the prefix" in done.note
+    assert done.path == "disaggregated"  # the request itself is served

@@ -88,3 +88,29 @@ def test_a_pin_on_a_decode_replica_that_is_gone_is_not_handed_out() -> None:
     router.finish("t1")
     second = router.route("t2", "s", NEXT, Sampling(max_tokens=4))
     assert second.prefill and second.readback_params is None and second.readback_tokens == 0
+
+
+def make_export_router() -> tuple[RequestRouter, ClusterView]:
+    view = ClusterView(None, block_size=BS)
+    for rid, role in (("p0", "prefill"), ("d0", "decode"), ("d1", "decode")):
+        view.load.add_replica(rid, role)  # type: ignore[arg-type]
+        view.index.add_replica(rid)
+    return RequestRouter(
+        view=view,
+        policy=PdservePolicy(),
+        block_size=BS,
+        has_prefill_pool=True,
+        overload_queue_tokens=1_000_000,
+        readback=ReadbackTable(block_size=BS, ttl_s=480),
+        exports=True,
+    ), view
+
+
+def test_a_prefix_cached_on_a_decode_replica_is_exported_to_the_prefill_leg() -> None:
+    router, view = make_export_router()
+    # d1's engine reported the first 100 blocks of PROMPT stored in its prefix cache; no session, no pin.
+    view.index.apply_stored("d1", list(range(1, 101)), None, PROMPT[: 100 * BS])
+    route = router.route("t1", None, PROMPT + list(range(7000, 9000)), Sampling(max_tokens=4))
+    assert route.prefill and route.readback_params is None
+    assert route.export_replica == "d1" and route.export_tokens == 100 * BS == route.readback_tokens
+    assert route.predicted_cached_tokens == 100 * BS

@@ -356,3 +356,42 @@ def test_readback_from_a_replica_that_is_gone_is_ignored() -> None:
         readback_request(250 * BS), [queued(view("p0"), 3.0), view("p1")], [view("d1", "decode")], lookup
     )
     assert d.readback_tokens == 0
+
+
+def export_request(ttl_s: float | None = 60.0, n: int = N) -> RouteRequest:
+    return msgspec.structs.replace(request(n), export_ttl_s=ttl_s)
+
+
+def test_an_export_lets_a_prefill_replica_start_from_any_decode_replicas_cached_prefix() -> None:
+    # No session pin: d1 holds the prefix in its cache, no prefill replica does. With exports on, p0 pulls it
+    # from d1 (which pins it on request) instead of computing it.
+    pres = [view("p0")]
+    decs = [view("d0", "decode"), view("d1", "decode")]
+    n = 64_000
+    lookup = FixedLookup({"d1": 3000})
+    plain = PdservePolicy().choose(export_request(None, n=n), pres, decs, lookup)
+    assert plain.readback_tokens == 0 and not plain.readback_export and plain.readback_replica is None
+    d = PdservePolicy().choose(export_request(n=n), pres, decs, lookup)
+    assert d.prefill == "p0" and d.readback_tokens == 3000 * BS and d.predicted_cached_tokens == 3000 * BS
+    assert d.readback_export and d.readback_replica == "d1"
+
+
+def test_an_export_is_only_counted_on_when_the_prefill_starts_before_it_expires() -> None:
+    pres = [queued(view("p0"), 30.0)]
+    decs = [view("d0", "decode")]
+    lookup = FixedLookup({"d0": 3000})
+    assert PdservePolicy().choose(export_request(60.0, n=64_000), pres, decs, lookup).readback_tokens > 0
+    late = PdservePolicy().choose(export_request(20.0, n=64_000), pres, decs, lookup)
+    assert late.readback_tokens == 0 and not late.readback_export
+
+
+def test_the_sessions_pin_is_pulled_rather_than_an_export_of_the_same_prefix() -> None:
+    # d0 holds the session's turn pinned and cached: no export request is needed for it. A longer prefix
+    # cached on d1 is exported instead.
+    pres = [view("p0")]
+    decs = [view("d0", "decode"), view("d1", "decode")]
+    req = msgspec.structs.replace(readback_request(3000 * BS, n=64_000), export_ttl_s=60.0)
+    d = PdservePolicy().choose(req, pres, decs, FixedLookup({"d0": 3000, "d1": 3000}))
+    assert d.readback_replica == "d0" and d.readback_tokens == 3000 * BS and not d.readback_export
+    d = PdservePolicy().choose(req, pres, decs, FixedLookup({"d0": 3000, "d1": 3500}))
+    assert d.readback_replica == "d1" and d.readback_tokens == 3500 * BS and d.readback_export
