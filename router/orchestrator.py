@@ -8,8 +8,9 @@
         (`Route.readback_params`), so it computes only the rest. Or (KV export, `Route.export_replica`) the
         router first asks a decode replica to pin a prefix it holds in its prefix cache (a one-token
         request there), and the prefill leg pulls that. If the export pins nothing (the replica is gone or
-        Serve sent the call elsewhere), the prefill leg computes the prefix itself and the completion says
-        so (`Completion.export`, `note`).
+        Serve sent the call elsewhere, or it did not answer within `export_timeout_s`), the prefill leg
+        computes the prefix itself and the completion says so (`Completion.export`, `note`). Legs reach each
+        prefill replica in decision order (router/leg_order.py), exports or not.
 
 KV bytes never pass through here: only token ids, text and NIXL's small control parameters.
 Cancellation (client gone, deadline) propagates: the Serve call is cancelled, the replica's coroutine is
@@ -18,6 +19,7 @@ cancelled, and the engine aborts the request.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -36,6 +38,7 @@ from engine.messages import (
     ServingPath,
     TokenBatch,
 )
+from router.leg_order import LegOrder, Ticket
 from router.readback import block_id_groups, cut_pinned
 
 log = logging.getLogger(__name__)
@@ -93,16 +96,21 @@ class Completion(msgspec.Struct, kw_only=True):
     pinned_kv: dict[str, Any] | None = None
     output_token_ids: list[int] = []
     # KV export outcome: "" (none asked), "pinned" (the prefill leg pulled from it), "declined" (the replica
-    # pinned nothing) or "lost" (the replica died): in the last two the prefill leg computed the prefix.
+    # pinned nothing), "lost" (the replica died) or "timeout": in the last three the prefill leg computed the
+    # prefix.
     export: str = ""
 
 
 class Orchestrator:
-    def __init__(self, prefill: Any | None, decode: Any, *, block_size: int) -> None:
+    def __init__(
+        self, prefill: Any | None, decode: Any, *, block_size: int, export_timeout_s: float = 5.0
+    ) -> None:
         """`prefill`/`decode`: Serve deployment handles (prefill None when the topology has no pool)."""
         self._prefill = prefill
         self._decode = decode
         self._block_size = block_size
+        self._export_timeout_s = export_timeout_s
+        self._order = LegOrder()
 
     async def run(
         self,
@@ -121,14 +129,22 @@ class Orchestrator:
         export = ""
         kv_params: dict[str, Any] | None = None
         if route.prefill and self._prefill is not None:
-            pull = route.readback_params
-            if route.export_replica:
-                pull, export = await self._export(request_id, prompt_token_ids, route)
-                if pull is None:
-                    note = f"KV export from {route.export_replica} {export}: prefill computed the prefix"
-            prefill_result = await self._prefill_leg(
-                request_id, prompt_token_ids, route.prefill_replica, pull
-            )
+            # Taken before the first await: tickets follow decision order.
+            ticket = self._order.take(route.prefill_replica) if route.prefill_replica else None
+            try:
+                pull = route.readback_params
+                if route.export_replica:
+                    pull, export = await self._export(request_id, prompt_token_ids, route)
+                    if pull is None:
+                        note = f"KV export from {route.export_replica} {export}: prefill computed the prefix"
+                if ticket is not None:
+                    await ticket.turn()
+                prefill_result = await self._prefill_leg(
+                    request_id, prompt_token_ids, route.prefill_replica, pull, ticket
+                )
+            finally:
+                if ticket is not None:
+                    ticket.sent()
             kv_params = prefill_result.kv_transfer_params
             if kv_params:
                 path = "disaggregated"
@@ -205,10 +221,14 @@ class Orchestrator:
         )
         response = self._decode.export.remote(req, replica_hint=route.export_replica)
         try:
-            pinned = await response
+            pinned = await asyncio.wait_for(_awaited(response), self._export_timeout_s)
         except REPLICA_LOST as exc:
             log.warning("KV export for %s: decode replica %s lost: %s", request_id, route.export_replica, exc)
             return None, "lost"
+        except TimeoutError:
+            response.cancel()
+            log.warning("KV export for %s: %s did not answer in time", request_id, route.export_replica)
+            return None, "timeout"
         except BaseException:
             response.cancel()
             raise
@@ -216,9 +236,15 @@ class Orchestrator:
         return (None, "declined") if params is None else (params, "pinned")
 
     async def _prefill_leg(
-        self, request_id: str, prompt: list[int], replica: str | None, pull: dict[str, Any] | None
+        self,
+        request_id: str,
+        prompt: list[int],
+        replica: str | None,
+        pull: dict[str, Any] | None,
+        ticket: Ticket | None = None,
     ) -> PrefillResult:
-        """`pull`: pinned decode KV of the prompt's prefix to pull instead of computing (readback)."""
+        """`pull`: pinned decode KV of the prompt's prefix to pull instead of computing (readback). `ticket`:
+        told once the leg is sent."""
         req = EngineRequest(
             request_id=f"{request_id}-p",
             prompt_token_ids=prompt,
@@ -231,6 +257,8 @@ class Orchestrator:
         for attempt in (1, 2):
             hint = replica if attempt == 1 else None
             response = handle.prefill.remote(req, replica_hint=hint)
+            if ticket is not None:
+                ticket.sent()
             try:
                 return await response
             except REPLICA_LOST as exc:
@@ -275,3 +303,8 @@ class Orchestrator:
         """Prompt tokens whose KV the prefill engine handed off (its block ids x block size)."""
         groups = block_id_groups(kv_params)
         return min(len(groups[0]) * self._block_size, prompt_len) if groups else 0
+
+
+async def _awaited(response: Any) -> Any:
+    """A Serve response as a coroutine (what asyncio.wait_for takes)."""
+    return await response

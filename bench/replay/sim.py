@@ -25,7 +25,9 @@ replica, the blocks of running sequences are allocated (pinned) until they finis
    Exports (`readback_exports`, with readback): the policy may instead have a prefill replica pull the
    longest prefix any decode replica holds in its cache; that replica pins it at the decision, for the same
    TTL (the router's export request: a one-token request on the decode engine, whose compute is not
-   modelled), and the prompt joins the prefill queue one decode step later (the router waits for the pin).
+   modelled). The prompt takes its place in the prefill queue at the decision but cannot start before one
+   decode step later (the router waits for the pin), and neither can the prompts queued behind it: the
+   router sends each prefill replica its legs in decision order, the order its queue estimates assume.
    A pin that expires before the prefill starts is not pulled: the prompt is computed.
 4. Decode: every active sequence on a replica advances one token per `tpot_s(batch, context)`; the rate is
    recomputed whenever the batch changes; a local prefill on the replica pauses its decoding for its
@@ -131,7 +133,17 @@ class RequestRecord(msgspec.Struct, kw_only=True):
 class _Job:
     """A request in flight."""
 
-    __slots__ = ("decision", "export", "pinned", "rec", "route", "session_pos", "slot", "trace_req")
+    __slots__ = (
+        "decision",
+        "export",
+        "pinned",
+        "ready_at",
+        "rec",
+        "route",
+        "session_pos",
+        "slot",
+        "trace_req",
+    )
 
     def __init__(self, trace_req: TraceRequest, route: RouteRequest, rec: RequestRecord) -> None:
         self.trace_req = trace_req
@@ -142,6 +154,7 @@ class _Job:
         self.slot = -1
         self.pinned = False  # its blocks are pinned on its decode replica (a running sequence)
         self.export: _Pin | None = None  # the prefix a decode replica pinned for this prefill to pull
+        self.ready_at = 0.0  # when its prefill may start (after its export is pinned)
 
 
 class _PrefillServer:
@@ -180,7 +193,7 @@ class _Pin:
 
 
 # Event kinds, ordered so that at equal times completions run before arrivals (frees capacity first).
-_PREFILL_DONE, _TRANSFER_DONE, _DECODE_CHECK, _ARRIVAL, _ENQUEUE, _SLOT_START = range(6)
+_PREFILL_DONE, _TRANSFER_DONE, _DECODE_CHECK, _ARRIVAL, _EXPORTED, _SLOT_START = range(6)
 
 
 class Simulator:
@@ -246,8 +259,8 @@ class Simulator:
                 self._arrive(payload)
             elif kind == _PREFILL_DONE:
                 self._prefill_done(payload)
-            elif kind == _ENQUEUE:
-                self._enqueue(payload)
+            elif kind == _EXPORTED:
+                self._start_prefill(payload)
             elif kind == _TRANSFER_DONE:
                 self._join_decode(payload[0], payload[1])
             elif kind == _DECODE_CHECK:
@@ -346,8 +359,7 @@ class Simulator:
             source = self._servers[decision.readback_replica]
             assert isinstance(source, _DecodeServer)
             self._export(job, source, decision.predicted_cached_tokens // self.block_tokens)
-            self._at(self.now + self._tpot(source), _ENQUEUE, job)
-            return
+            job.ready_at = self.now + self._tpot(source)
         self._enqueue(job)
 
     def _enqueue(self, job: _Job) -> None:
@@ -414,6 +426,11 @@ class Simulator:
     # -- prefill -----------------------------------------------------------------------------------------
     def _start_prefill(self, server: _PrefillServer) -> None:
         if server.running is not None or not server.queue:
+            return
+        if server.queue[0].ready_at > self.now:
+            # Its export is not pinned yet; the prompts behind it wait too (the router sends a replica's
+            # legs in decision order, which the policy's queue estimates assume).
+            self._at(server.queue[0].ready_at, _EXPORTED, server)
             return
         job = server.queue.popleft()
         if isinstance(server, _DecodeServer):

@@ -480,3 +480,20 @@ def test_an_export_that_expires_before_the_prefill_starts_is_not_pulled() -> Non
 
 def test_without_exports_the_policy_is_not_offered_them() -> None:
     assert export_run(ttl=60.0, exports=False)[1].export_ttls == [None, None]
+
+
+def test_prompts_behind_an_export_on_the_same_prefill_replica_keep_their_decision_order() -> None:
+    class Both(ExportingPolicy):
+        def choose(self, req, prefill, decode, cache):  # type: ignore[no-untyped-def]
+            d = super().choose(req, prefill, decode, cache)
+            return msgspec.structs.replace(d, prefill="p1") if req.request_id == "s1/0" else d
+
+    # s0/1 (exported prefix) and s1/0 reach p1 at the same instant, s0/1 decided first.
+    trace = make_trace(
+        [[[1, 2, 3], [1, 2, 3, 4, 5]], [[7, 8]]], closed_loop=False, arrivals=[0.0, 10.0, 10.0]
+    )
+    cfg = SimConfig(prefill_replicas=2, decode_replicas=1, readback_ttl_s=60.0)
+    recs = {r.request_id: r for r in simulate(trace, cfg, Both()).records}
+    exported, behind = recs["s0/1"], recs["s1/0"]
+    assert exported.pulled_tokens == 3 * BLOCK
+    assert exported.prefill_start > 10.0 and behind.prefill_start == pytest.approx(exported.prefill_end)

@@ -264,3 +264,50 @@ async def test_an_export_that_pins_nothing_leaves_the_prefill_leg_to_compute_and
     assert prefill.calls[0][0].kv_transfer_params is None
     assert done.export == outcome and "computed the prefix" in done.note
     assert done.path == "disaggregated"  # the request itself is served
+
+
+class SlowExport(FakeExport):
+    def __init__(self, result: Any, release: asyncio.Event) -> None:
+        super().__init__(result)
+        self.release = release
+
+    def remote(self, req: EngineRequest, replica_hint: str | None = None) -> Any:
+        self.calls.append((req, replica_hint))
+        release, result = self.release, self.result
+
+        class _Slow(_Call):
+            def __await__(self) -> Any:
+                async def get() -> Any:
+                    await release.wait()
+                    return result
+
+                return get().__await__()
+
+        return _Slow(result)
+
+
+async def test_a_leg_decided_after_an_exporting_one_reaches_their_prefill_replica_after_it() -> None:
+    release = asyncio.Event()
+    prefill = FakePrefill([prefill_result(KV), prefill_result(KV)])
+    decode = FakeDecode([[tokens(1, final=True)], [tokens(1, final=True)]])
+    decode.export = SlowExport(EXPORTED, release)  # type: ignore[attr-defined]
+    orch = Orchestrator(prefill, decode, block_size=16)
+    exporting = Route(prefill=True, prefill_replica="P1", export_replica="D2", export_tokens=48)
+    first = asyncio.create_task(run(orch, exporting))
+    await asyncio.sleep(0)  # decided (and its ticket taken) first
+    second = asyncio.create_task(run(orch, Route(prefill=True, prefill_replica="P1")))
+    await asyncio.sleep(0.05)
+    assert prefill.calls == []  # the second waits for the first, whose export is not pinned yet
+    release.set()
+    await asyncio.gather(first, second)
+    assert [req.kv_transfer_params is not None for req, _ in prefill.calls] == [True, False]
+
+
+async def test_an_export_that_does_not_answer_in_time_leaves_the_prefill_leg_to_compute() -> None:
+    prefill = FakePrefill([prefill_result(KV)])
+    decode = FakeDecode([[tokens(1, final=True)]])
+    decode.export = SlowExport(EXPORTED, asyncio.Event())  # type: ignore[attr-defined]
+    orch = Orchestrator(prefill, decode, block_size=16, export_timeout_s=0.05)
+    route = Route(prefill=True, prefill_replica="P1", export_replica="D2", export_tokens=48)
+    _, done = await run(orch, route)
+    assert done.export == "timeout" and prefill.calls[0][0].kv_transfer_params is None
