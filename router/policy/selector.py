@@ -52,6 +52,25 @@ for the pins; TTL 120 s fits better (1.5x) and gives 1.31 and 147 s; 60 s and 30
 readback (a pin that expires before the next prefill starts turns a planned pull into a full recompute on a
 replica without the prefix). Off by default for that reason.
 
+KV export (`RouteRequest.export_ttl_s`, topology `router.kv_readback_exports`, on with readback): the
+longest prefix any eligible decode replica holds in its prefix cache is also a pull source; the orchestrator
+has that replica pin it (a one-token request) before sending the prefill leg. The session's own pin wins a
+tie (it needs no extra request). Readback alone offers only the session's latest turn, pinned when it
+finished: a pin left to expire because the next turn was prefilled on decode, or one already read, is gone
+for the turn after, and a request without a session has none. With exports every context a decode replica
+still caches (the session's previous turns, a prefix shared across sessions, the Mooncake trace's
+conversations, which carry no session id) is one transfer away from any prefill replica. Claude Code replay
+(TTL 60 s, seeds 0-9, pdserve vs dynamo_kv with the same readback): at concurrency 60 / 64 / 68 (prefill
+utilisation 0.49-0.55 / 0.54-0.62 / 0.60-0.69) hit/bound 0.998-0.999 / 0.995-0.998 / 0.993-0.996, max/mean
+prefill tokens above 1.15 on 0 / 1 / 2 seeds, TTFT P99 27-64 / 40-105 / 41-104 s against dynamo_kv's
+235-380 / 282-491 / 350-485 s; readback without exports at concurrency 64 does worse than no readback
+(hit/bound 0.943-0.952, TTFT P99 268-621 s). Mooncake: hit/bound 0.811 -> 0.870, TTFT P99 7.59 -> 7.40 s.
+Decode KV pays for it: the most blocks allocated on one decode replica (running sequences and pins) reaches
+1.0-1.45x its modelled cache at concurrency 60-68 (0.82-0.86x at concurrency 64 with readback off), which
+the replay lets running sequences exceed rather than making them wait. That cache is the issue's 2% of the
+slice's unique blocks, 1.9M tokens: about a third of what an 8-GPU H200 node keeps for KV next to
+DeepSeek-V3's FP8 weights (~400 GB at the replay's 70 KB per token).
+
 Local prefill threshold. A decode replica holding all but `local_prefill_max_tokens` of the prompt prefills
 the rest itself: no second hop, no transfer, and the prompt is stored once (on D) instead of on P and D, so
 the pool's caches hold more distinct context. The price is the decode batch's stall while it runs. Default
