@@ -9,13 +9,13 @@ from __future__ import annotations
 import random
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 from e2e_support import RunningCluster, make_topology
 
 from router.api import pdserve_pb2 as pb
-from router.client import PdserveClient
+from router.client import Completion, PdserveClient
 
 pytestmark = pytest.mark.e2e
 
@@ -140,24 +140,33 @@ def prefill_external_kv(client: PdserveClient) -> int:
     return sum(r.prompt_tokens_external_kv for r in client.cluster_status() if r.role == "prefill")
 
 
+def tool_results(seed: int) -> Callable[[int], list[int]]:
+    rng = random.Random(seed)
+    return lambda n: [rng.randrange(100, 1000) for _ in range(n)]
+
+
+def second_turn_on_decode(
+    client: PdserveClient, session_id: str, tool_result: Callable[[int], list[int]]
+) -> tuple[list[int], list[int], Completion]:
+    """Turn 1 (a long tool result) prefilled on the prefill replica, turn 2 (a short one) on the decode
+    replica itself, which the prefill replica then lacks. Returns both prompts and turn 2's reply."""
+    ids1 = tool_result(600)
+    first = client.generate_text(token_ids=ids1, session_id=session_id, max_tokens=8, temperature=0.0)
+    assert first.served_by.path == pb.SERVING_PATH_DISAGGREGATED  # the prefill replica now holds ids1
+    time.sleep(1.0)
+    ids2 = ids1 + list(first.token_ids) + tool_result(150)
+    second = client.generate_text(token_ids=ids2, session_id=session_id, max_tokens=8, temperature=0.0)
+    assert second.served_by.path == pb.SERVING_PATH_LOCAL_PREFILL
+    time.sleep(1.0)
+    return ids1, ids2, second
+
+
 def test_a_prefill_leg_pulls_the_sessions_context_from_its_decode_replica(
     cluster: RunningCluster, client: PdserveClient
 ) -> None:
-    rng = random.Random(7)
-
-    def tool_result(n: int) -> list[int]:
-        return [rng.randrange(100, 1000) for _ in range(n)]
-
-    ids1 = tool_result(600)
-    first = client.generate_text(token_ids=ids1, session_id="agent-rb", max_tokens=8, temperature=0.0)
-    assert first.served_by.path == pb.SERVING_PATH_DISAGGREGATED  # the prefill replica now holds ids1
-    time.sleep(1.0)
-    # A short tool result: the decode replica prefills it itself (the prefill replica never sees it) and
-    # keeps the turn's KV pinned.
-    ids2 = ids1 + list(first.token_ids) + tool_result(150)
-    second = client.generate_text(token_ids=ids2, session_id="agent-rb", max_tokens=8, temperature=0.0)
-    assert second.served_by.path == pb.SERVING_PATH_LOCAL_PREFILL
-    time.sleep(1.0)
+    tool_result = tool_results(7)
+    # Turn 2's decode replica keeps the turn's KV pinned.
+    ids1, ids2, second = second_turn_on_decode(client, "agent-rb", tool_result)
     pulled_before = prefill_external_kv(client)
     decode = second.served_by.decode_replica
     predicted_before = metric(cluster, "pdserve_kv_readback_tokens_total", decode_replica=decode)
@@ -185,18 +194,8 @@ def test_a_prefill_leg_pulls_the_sessions_context_from_its_decode_replica(
 def test_a_prefix_cached_only_on_a_decode_replica_is_exported_to_a_prefill_leg(
     cluster: RunningCluster, client: PdserveClient
 ) -> None:
-    rng = random.Random(11)
-
-    def tool_result(n: int) -> list[int]:
-        return [rng.randrange(100, 1000) for _ in range(n)]
-
-    ids1 = tool_result(600)
-    first = client.generate_text(token_ids=ids1, session_id="agent-ex", max_tokens=8, temperature=0.0)
-    time.sleep(1.0)
-    ids2 = ids1 + list(first.token_ids) + tool_result(150)
-    second = client.generate_text(token_ids=ids2, session_id="agent-ex", max_tokens=8, temperature=0.0)
-    assert second.served_by.path == pb.SERVING_PATH_LOCAL_PREFILL  # only that decode replica holds ids2
-    time.sleep(1.0)
+    tool_result = tool_results(11)
+    ids1, ids2, second = second_turn_on_decode(client, "agent-ex", tool_result)  # only decode holds ids2
     exported_before = metric(cluster, "pdserve_kv_exports_total", outcome="pinned")
     pulled_before = prefill_external_kv(client)
     # Without a session there is no pinned turn to read back: the router has the decode replica pin the

@@ -9,20 +9,25 @@ from router.routing import RequestRouter
 BS = 16
 
 
-def make_router(*, prefill: bool = True, readback: bool = True) -> RequestRouter:
+def make_view(*, prefill: bool = True, decode: tuple[str, ...] = ("d0",)) -> ClusterView:
     view = ClusterView(None, block_size=BS)
-    for rid, role in (("p0", "prefill"), ("d0", "decode")):
-        if role == "prefill" and not prefill:
-            continue
-        view.load.add_replica(rid, role)  # type: ignore[arg-type]
+    for rid in (["p0"] if prefill else []) + list(decode):
+        view.load.add_replica(rid, "prefill" if rid.startswith("p") else "decode")
         view.index.add_replica(rid)
+    return view
+
+
+def make_router(
+    *, prefill: bool = True, readback: bool = True, exports: bool = False, view: ClusterView | None = None
+) -> RequestRouter:
     return RequestRouter(
-        view=view,
+        view=view or make_view(prefill=prefill),
         policy=PdservePolicy(),
         block_size=BS,
         has_prefill_pool=prefill,
         overload_queue_tokens=1_000_000,
         readback=ReadbackTable(block_size=BS, ttl_s=480) if readback else None,
+        exports=exports,
     )
 
 
@@ -90,24 +95,9 @@ def test_a_pin_on_a_decode_replica_that_is_gone_is_not_handed_out() -> None:
     assert second.prefill and second.readback_params is None and second.readback_tokens == 0
 
 
-def make_export_router() -> tuple[RequestRouter, ClusterView]:
-    view = ClusterView(None, block_size=BS)
-    for rid, role in (("p0", "prefill"), ("d0", "decode"), ("d1", "decode")):
-        view.load.add_replica(rid, role)  # type: ignore[arg-type]
-        view.index.add_replica(rid)
-    return RequestRouter(
-        view=view,
-        policy=PdservePolicy(),
-        block_size=BS,
-        has_prefill_pool=True,
-        overload_queue_tokens=1_000_000,
-        readback=ReadbackTable(block_size=BS, ttl_s=480),
-        exports=True,
-    ), view
-
-
 def test_a_prefix_cached_on_a_decode_replica_is_exported_to_the_prefill_leg() -> None:
-    router, view = make_export_router()
+    view = make_view(decode=("d0", "d1"))
+    router = make_router(exports=True, view=view)
     # d1's engine reported the first 100 blocks of PROMPT stored in its prefix cache; no session, no pin.
     view.index.apply_stored("d1", list(range(1, 101)), None, PROMPT[: 100 * BS])
     route = router.route("t1", None, PROMPT + list(range(7000, 9000)), Sampling(max_tokens=4))
