@@ -168,24 +168,15 @@ class EngineHost:
     # ---- serving -------------------------------------------------------------------------------
 
     async def prefill(self, req: EngineRequest) -> PrefillResult:
-        """The prefill leg: compute the prompt, keep its KV for a remote decode, return where it is."""
-        # One sampled token, which is discarded: decode samples the first token itself. ignore_eos and
-        # no stop strings make the leg always finish by length, the case in which vLLM hands off KV.
-        sampling = Sampling(max_tokens=1, temperature=0.0, ignore_eos=True)
+        """The prefill leg: compute the prompt, keep its KV for a remote decode, return where it is. Its one
+        sampled token is discarded: decode samples the first token itself."""
         kv = dict(_PREFILL_KV_PARAMS)
         if req.kv_transfer_params:
             # KV readback: pull the prefix a decode engine keeps pinned, compute the rest.
             kv.update(req.kv_transfer_params)
             kv["do_remote_decode"], kv["do_remote_prefill"] = True, False
-        params = self._sampling_params(sampling, kv)
         started = time.monotonic()
-        final = None
-        async for out in self._llm.generate(
-            {"prompt_token_ids": req.prompt_token_ids}, params, request_id=req.request_id
-        ):
-            final = out
-        if final is None:
-            raise RuntimeError(f"prefill of {req.request_id} produced no output")
+        final = await self._one_token(req, kv)
         return PrefillResult(
             request_id=req.request_id,
             replica_id=self.replica_id,
@@ -241,15 +232,23 @@ class EngineHost:
         say where (vLLM's params; None: the engine pinned nothing). The prompt is a prefix this engine holds
         in its prefix cache plus one token: a one-token request that computes that token and, finishing
         with connector params, leaves its blocks pinned for the TTL (or until read)."""
-        params = self._sampling_params(
-            Sampling(max_tokens=1, temperature=0.0, ignore_eos=True), dict(PIN_ONLY_KV_PARAMS)
-        )
+        final = await self._one_token(req, dict(PIN_ONLY_KV_PARAMS))
+        return final.kv_transfer_params or None
+
+    async def _one_token(self, req: EngineRequest, kv: dict[str, Any]) -> Any:
+        """Run a one-token request with connector params to its end; vLLM's final output. ignore_eos and no
+        stop strings make it always finish by length, the case in which vLLM keeps its KV for a transfer."""
+        sampling = Sampling(max_tokens=1, temperature=0.0, ignore_eos=True)
         final = None
         async for out in self._llm.generate(
-            {"prompt_token_ids": req.prompt_token_ids}, params, request_id=req.request_id
+            {"prompt_token_ids": req.prompt_token_ids},
+            self._sampling_params(sampling, kv),
+            request_id=req.request_id,
         ):
             final = out
-        return (final.kv_transfer_params or None) if final is not None else None
+        if final is None:
+            raise RuntimeError(f"{req.request_id} produced no output")
+        return final
 
     async def abort(self, request_id: str) -> None:
         await self._llm.abort(request_id)

@@ -77,7 +77,8 @@ class RouterMetrics:
         self.exports = Counter(
             "pdserve_kv_exports",
             "KV exports (a decode replica asked to pin a cached prefix for a prefill leg to pull), by "
-            "outcome: 'pinned', or 'declined' / 'lost' (the prefill leg computed the prefix instead).",
+            "outcome: 'pinned', or 'declined' / 'lost' / 'timeout' (the prefill leg computed the prefix "
+            "instead).",
             ["outcome"],
             registry=r,
         )

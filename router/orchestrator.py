@@ -221,7 +221,7 @@ class Orchestrator:
         )
         response = self._decode.export.remote(req, replica_hint=route.export_replica)
         try:
-            pinned = await asyncio.wait_for(_awaited(response), self._export_timeout_s)
+            pinned = await asyncio.wait_for(response, self._export_timeout_s)
         except REPLICA_LOST as exc:
             log.warning("KV export for %s: decode replica %s lost: %s", request_id, route.export_replica, exc)
             return None, "lost"
@@ -303,8 +303,3 @@ class Orchestrator:
         """Prompt tokens whose KV the prefill engine handed off (its block ids x block size)."""
         groups = block_id_groups(kv_params)
         return min(len(groups[0]) * self._block_size, prompt_len) if groups else 0
-
-
-async def _awaited(response: Any) -> Any:
-    """A Serve response as a coroutine (what asyncio.wait_for takes)."""
-    return await response

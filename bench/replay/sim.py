@@ -378,7 +378,7 @@ class Simulator:
         server.cache.pin(prefix)
         job.export = pin = _Pin(server.replica_id, tuple(prefix), self.now + ttl)
         heapq.heappush(self._pin_expiry, (pin.expires, id(pin), pin))
-        self._note_pins(server)
+        self._report_kv_usage(server)
 
     def _readback(self, r: TraceRequest, at: float) -> Readback | None:
         """What the session's previous decode replica still keeps pinned of this prompt's prefix at `at`."""
@@ -405,9 +405,6 @@ class Simulator:
         self._pins[job.trace_req.session_id] = pin
         heapq.heappush(self._pin_expiry, (pin.expires, id(pin), pin))
         assert isinstance(server, _DecodeServer)
-        self._note_pins(server)
-
-    def _note_pins(self, server: _DecodeServer) -> None:
         self._report_kv_usage(server)
 
     def _unpin(self, pin: _Pin) -> None:
