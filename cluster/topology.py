@@ -214,6 +214,11 @@ class Router(_Config, frozen=True, kw_only=True):
     # computed (cache churn) above the pool's mean. PdservePolicyConfig's defaults (a test keeps them equal).
     balance_weight: NonNegativeFloat = 0.2
     churn_weight: NonNegativeFloat = 0.5
+    # Prefill overflow: when every prefill replica has at least this many estimated seconds of prompts queued,
+    # a decode replica holding most of a prompt's context may prefill the rest itself past
+    # local_prefill_max_tokens, charged for stalling its batch (router/policy/selector.py); null: never.
+    # PdservePolicyConfig's default (a test keeps them equal).
+    prefill_overflow_queue_s: NonNegativeFloat | None = 10.0
     # KV readback (router/readback.py): decode engines keep each finished turn's KV pinned this long so the
     # session's next prefill pulls it instead of computing it; 0 = off.
     kv_readback_ttl_s: NonNegativeInt = 0

@@ -68,6 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
         "holding all but this many prompt tokens prefills the rest itself",
     )
     p.add_argument(
+        "--no-prefill-overflow",
+        action="store_true",
+        help="pdserve never prefills on a decode replica past --local-prefill-max-tokens, even when every "
+        "prefill replica is backed up (topology router.prefill_overflow_queue_s: null)",
+    )
+    p.add_argument(
         "--readback-ttl-s",
         type=float,
         default=None,
@@ -92,7 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    policies = select(args.policies, args.local_prefill_max_tokens)
+    overrides: dict[str, object] = {}
+    if args.local_prefill_max_tokens is not None:
+        overrides["local_prefill_max_tokens"] = args.local_prefill_max_tokens
+    if args.no_prefill_overflow:
+        overrides["prefill_overflow_queue_s"] = None
+    policies = select(args.policies, overrides)
     limit = args.sessions if args.trace == "claude-code" else args.requests
     trace = load_trace(
         args.trace, args.traces_dir, block_tokens=args.block_tokens, limit=limit, seed=args.seed
@@ -125,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     if fixed is not None:
         cfg = msgspec.structs.replace(cfg, **{"concurrency" if trace.closed_loop else "time_scale": fixed})
     else:
-        ref = select(args.reference_policy, args.local_prefill_max_tokens)
+        ref = select(args.reference_policy, overrides)
         cfg = set_load(
             trace,
             cfg,
@@ -140,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         readback = "off" if cfg.readback_ttl_s is None else f"{cfg.readback_ttl_s:g} s"
         if cfg.readback_ttl_s is not None:
             readback += ", exports " + ("on" if cfg.readback_exports else "off")
-        pdserve = describe_pdserve(pdserve_config(args.local_prefill_max_tokens))
+        pdserve = describe_pdserve(pdserve_config(overrides))
         print(f"{pdserve}; readback {readback}", flush=True)
     results = []
     for name, factory in policies.items():

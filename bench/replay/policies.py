@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import msgspec
 
@@ -23,32 +24,36 @@ from router.policy.types import Policy
 PolicyFactory = Callable[[ServiceTimeModel], Policy]
 
 
+# PdservePolicyConfig fields a replay sets from its command line (e.g. local_prefill_max_tokens).
+PdserveOverrides = Mapping[str, Any]
+
+
 def pdserve_config(
-    local_prefill_max_tokens: int | None = None, timing: ServiceTimeModel | None = None
+    overrides: PdserveOverrides | None = None, timing: ServiceTimeModel | None = None
 ) -> PdservePolicyConfig:
-    """pdserve's policy as the replay runs it: the defaults, costed with the replay's service-time model, and
-    `local_prefill_max_tokens` when given."""
-    cfg = PdservePolicyConfig()
+    """pdserve's policy as the replay runs it: the defaults with `overrides`, costed with the replay's
+    service-time model."""
+    cfg = msgspec.structs.replace(PdservePolicyConfig(), **(overrides or {}))
     if timing is not None:
         cfg = msgspec.structs.replace(cfg, weights=msgspec.structs.replace(cfg.weights, timing=timing))
-    if local_prefill_max_tokens is not None:
-        cfg = msgspec.structs.replace(cfg, local_prefill_max_tokens=local_prefill_max_tokens)
     return cfg
 
 
 def describe_pdserve(cfg: PdservePolicyConfig) -> str:
     """The settings a replay's pdserve numbers depend on, for the report."""
+    overflow = cfg.prefill_overflow_queue_s
     return (
         f"pdserve: local_prefill_max_tokens {cfg.local_prefill_max_tokens}, prefill weight "
-        f"{cfg.weights.prefill:g}, balance {cfg.balance_weight:g}, churn {cfg.churn_weight:g}"
+        f"{cfg.weights.prefill:g}, balance {cfg.balance_weight:g}, churn {cfg.churn_weight:g}, "
+        f"prefill overflow {'off' if overflow is None else f'at {overflow:g} s queued'}"
     )
 
 
-def available_policies(local_prefill_max_tokens: int | None = None) -> dict[str, PolicyFactory]:
-    """Name -> factory; `local_prefill_max_tokens` is pdserve's (None: PdservePolicyConfig's default)."""
+def available_policies(pdserve_overrides: PdserveOverrides | None = None) -> dict[str, PolicyFactory]:
+    """Name -> factory; `pdserve_overrides` change PdservePolicyConfig's defaults."""
 
     def pdserve(timing: ServiceTimeModel) -> Policy:
-        return PdservePolicy(pdserve_config(local_prefill_max_tokens, timing))
+        return PdservePolicy(pdserve_config(pdserve_overrides, timing))
 
     return {
         "pdserve": pdserve,
@@ -62,9 +67,9 @@ def available_policies(local_prefill_max_tokens: int | None = None) -> dict[str,
     }
 
 
-def select(names: str, local_prefill_max_tokens: int | None = None) -> dict[str, PolicyFactory]:
+def select(names: str, pdserve_overrides: PdserveOverrides | None = None) -> dict[str, PolicyFactory]:
     """`all` or a comma-separated list of names."""
-    known = available_policies(local_prefill_max_tokens)
+    known = available_policies(pdserve_overrides)
     if names == "all":
         return known
     chosen = [n.strip() for n in names.split(",") if n.strip()]

@@ -5,6 +5,7 @@
                + w_transfer * transfer_s(tokens D lacks, P~D node)     pulling the KV from P to D
                + w_decode   * out * tpot_s(active(D) + 1, context(D) + prompt)   decoding the reply on D
                + kv_full_s  * kv_usage(D)                             KV pressure on D (preemption risk)
+             [ + w_stall    * prefill_s * (active(D) + 1)             local prefill only: D's batch waits ]
 
 Every time comes from `router.policy.service_time.ServiceTimeModel`, the model the trace replay charges, so a
 cached token is worth what it saves: a hit on a long context saves the attention over all of it (quadratic),
@@ -13,10 +14,13 @@ the same estimate over the prompts queued on P (`router.load.LoadTracker` keeps 
 `max_tokens`, capped at `max_output_tokens` because clients often send a large ceiling).
 
 For the local-prefill option (D computes the prompt itself, no P) the same formula applies with P := D and no
-transfer. With KV readback (`RouteRequest.readback`: the session's previous decode replica keeps its KV
-pinned), "cached on P" is the longer of P's own prefix and the pinned one, and the pull of the difference is
-one more transfer term. The selector (`router.policy.selector`) decides which options exist and adds that
-term; this module only scores them.
+transfer, plus the stall term: while D computes a prompt, every sequence in its batch (and the next one it
+admits) waits, so the prompt's seconds are charged once per sequence. For a suffix under the local-prefill
+threshold it is small; it is what keeps a long prompt off a busy decode batch when the selector lets decode
+replicas absorb prefill overflow. With KV readback (`RouteRequest.readback`: the session's previous decode
+replica keeps its KV pinned), "cached on P" is the longer of P's own prefix and the pinned one, and the pull
+of the difference is one more transfer term. The selector (`router.policy.selector`) decides which options
+exist and adds that term; this module only scores them.
 
 Defaults: with every weight 1 the cost would be the request's own estimated end-to-end seconds. That greedy
 choice gives up a cached prefix whenever its holder's queue is longer than the miss, but a miss also occupies
@@ -24,10 +28,11 @@ the replica for everything queued after it and evicts other sessions' prefixes (
 weight is 5: a miss is charged five times its own seconds. Chosen by a sweep on the trace replay (weight 1 / 3
 / 5 / 10 on Claude Code at ~50% utilisation: hit/bound 0.94 / 0.97 / 0.98 / 0.99, with max/mean load rising;
 on Mooncake 0.64 / 0.73 / 0.75 / 0.80 with TTFT P99 flat to weight 10); it is a tuning knob, not a
-measurement. `kv_full_s` is a judgement, not a measurement: a decode replica at full KV preempts and
-recomputes sequences; 2 s is the recompute of a ~40k-token context on the default model. Decoding's slowdown
-of the sequences already on D is not charged (it is small against the terms above: one more sequence adds ~1
-ms to a ~25 ms step).
+measurement. `stall` 1 charges each waiting sequence the whole prefill, as the replay models it (vLLM's
+chunked prefill interleaves decode steps with it, so this overstates the wait). `kv_full_s` is a judgement,
+not a measurement: a decode replica at full KV preempts and recomputes sequences; 2 s is the recompute of a
+~40k-token context on the default model. Decoding's slowdown of the sequences already on D is not charged (it
+is small against the terms above: one more sequence adds ~1 ms to a ~25 ms step).
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ class CostWeights(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     transfer: NonNegative = 1.0
     decode: NonNegative = 1.0
     kv_full_s: NonNegative = 2.0
+    stall: NonNegative = 1.0
     max_output_tokens: Annotated[int, msgspec.Meta(ge=0)] = 1024
 
 
@@ -60,6 +66,7 @@ class CostTerms(msgspec.Struct, frozen=True, kw_only=True):
     queue_s: float
     transfer_s: float
     decode_s: float
+    stall_s: float  # local prefill only
     total: float
 
 
@@ -111,6 +118,11 @@ def decode_term(w: CostWeights, d: ReplicaView, num_prompt_tokens: int, max_toke
     return w.decode * out * step + w.kv_full_s * d.kv_usage
 
 
+def stall_term(w: CostWeights, d: ReplicaView, prefill_s: float) -> float:
+    """Weighted seconds decode replica `d`'s batch waits while it computes a prompt itself."""
+    return w.stall * prefill_s * (d.active_seqs + 1)
+
+
 def transfer_term(w: CostWeights, transfer_tokens: int, within_node: bool) -> float:
     return w.transfer * w.timing.transfer_s(transfer_tokens, within_node)
 
@@ -133,10 +145,12 @@ def cost(
     uncached = num_prompt_tokens - cached_on_computing
     local = computing.replica_id == decode.replica_id
     transfer = 0 if local else num_prompt_tokens - cached_on_decode
-    prefill = w.prefill * estimated_prefill_s(w.timing, num_prompt_tokens, cached_on_computing)
+    own = estimated_prefill_s(w.timing, num_prompt_tokens, cached_on_computing)
+    prefill = w.prefill * own
     queue = queued_s(w, computing)
     move = transfer_term(w, transfer, same_node(computing, decode))
     dec = decode_term(w, decode, num_prompt_tokens, max_tokens)
+    stall = stall_term(w, decode, own) if local else 0.0
     return CostTerms(
         uncached_prefill_tokens=uncached,
         transfer_tokens=transfer,
@@ -144,5 +158,6 @@ def cost(
         queue_s=queue,
         transfer_s=move,
         decode_s=dec,
-        total=prefill + queue + move + dec,
+        stall_s=stall,
+        total=prefill + queue + move + dec + stall,
     )

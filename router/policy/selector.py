@@ -7,7 +7,9 @@ For each eligible decode replica D the options are:
   part and the transfer term whose link depends only on whether P and D share a node, so the best P for D is
   either the cheapest P overall or the cheapest P on D's node: the joint (P, D) optimum costs O(|P| + |D|),
   not O(|P||D|).
-- with no eligible prefill replica, D prefills locally whatever its cache holds.
+- with no eligible prefill replica, D prefills locally whatever its cache holds;
+- with every eligible prefill replica `prefill_overflow_queue_s` behind (prefill overflow, below), D may also
+  prefill locally whatever its cache holds, next to its disaggregated option.
 The option with the lowest cost wins.
 
 Ties. Costs within `tie_tolerance_s`, or within `tie_tolerance_rel` x the cheapest option's own prefill
@@ -52,24 +54,24 @@ for the pins; TTL 120 s fits better (1.5x) and gives 1.31 and 147 s; 60 s and 30
 readback (a pin that expires before the next prefill starts turns a planned pull into a full recompute on a
 replica without the prefix). Off by default for that reason.
 
-KV export (`RouteRequest.export_ttl_s`, topology `router.kv_readback_exports`, on with readback): the
-longest prefix any eligible decode replica holds in its prefix cache is also a pull source; the orchestrator
-has that replica pin it (a one-token request) before sending the prefill leg. The session's own pin wins a
-tie (it needs no extra request). Readback alone offers only the session's latest turn, pinned when it
-finished: a pin left to expire because the next turn was prefilled on decode, or one already read, is gone
-for the turn after, and a request without a session has none. With exports every context a decode replica
-still caches (the session's previous turns, a prefix shared across sessions, the Mooncake trace's
-conversations, which carry no session id) is one transfer away from any prefill replica. Claude Code replay
-(TTL 60 s, seeds 0-9, pdserve vs dynamo_kv with the same readback): at concurrency 60 / 64 / 68 (prefill
-utilisation 0.49-0.55 / 0.54-0.62 / 0.60-0.69) hit/bound 0.998-0.999 / 0.995-0.998 / 0.993-0.996, max/mean
-prefill tokens above 1.15 on 0 / 1 / 2 seeds, TTFT P99 27-64 / 40-105 / 41-104 s against dynamo_kv's
-235-380 / 282-491 / 350-485 s; readback without exports at concurrency 64 does worse than no readback
-(hit/bound 0.943-0.952, TTFT P99 268-621 s). Mooncake: hit/bound 0.811 -> 0.870, TTFT P99 7.59 -> 7.40 s.
-Decode KV pays for it: the most blocks allocated on one decode replica (running sequences and pins) reaches
-1.0-1.45x its modelled cache at concurrency 60-68 (0.82-0.86x at concurrency 64 with readback off), which
-the replay lets running sequences exceed rather than making them wait. That cache is the issue's 2% of the
-slice's unique blocks, 1.9M tokens: about a third of what an 8-GPU H200 node keeps for KV next to
-DeepSeek-V3's FP8 weights (~400 GB at the replay's 70 KB per token).
+KV export (`RouteRequest.export_ttl_s`, topology `router.kv_readback_exports`, on with readback): the longest
+prefix any eligible decode replica holds in its prefix cache is also a pull source; the orchestrator has that
+replica pin it (a one-token request) before sending the prefill leg. The session's own pin wins a tie (it
+needs no extra request). Readback alone offers only the session's latest turn, pinned when it finished: a pin
+left to expire because the next turn was prefilled on decode, or one already read, is gone for the turn after,
+and a request without a session has none. With exports every context a decode replica still caches (the
+session's previous turns, a prefix shared across sessions, the Mooncake trace's conversations, which carry no
+session id) is one transfer away from any prefill replica. Claude Code replay (TTL 60 s, seeds 0-9, pdserve
+before prefill overflow vs dynamo_kv with the same readback): at concurrency 60 / 64 / 68 (prefill utilisation
+0.49-0.55 / 0.54-0.62 / 0.60-0.69) hit/bound 0.998-0.999 / 0.995-0.998 / 0.993-0.996, max/mean prefill tokens
+above 1.15 on 0 / 1 / 2 seeds, TTFT P99 27-64 / 40-105 / 41-104 s against dynamo_kv's 235-380 / 282-491 /
+350-485 s; readback without exports at concurrency 64 does worse than no readback (hit/bound 0.943-0.952, TTFT
+P99 268-621 s). Mooncake: hit/bound 0.811 -> 0.870, TTFT P99 7.59 -> 7.40 s. Decode KV pays for it: the most
+blocks allocated on one decode replica (running sequences and pins) reaches 1.0-1.45x its modelled cache at
+concurrency 60-68 (0.82-0.86x at concurrency 64 with readback off), which the replay lets running sequences
+exceed rather than making them wait. That cache is the issue's 2% of the slice's unique blocks, 1.9M tokens:
+about a third of what an 8-GPU H200 node keeps for KV next to DeepSeek-V3's FP8 weights (~400 GB at the
+replay's 70 KB per token).
 
 Local prefill threshold. A decode replica holding all but `local_prefill_max_tokens` of the prompt prefills
 the rest itself: no second hop, no transfer, and the prompt is stored once (on D) instead of on P and D, so
@@ -80,6 +82,23 @@ to local prefill; max/mean prefill tokens 1.07-1.17 -> 1.10-1.13 -> 1.06-1.13, h
 0.980-0.984 -> 0.982-0.986, decode TPOT P99 15.2 -> 16.1 -> 18.3 ms; Mooncake hit/bound 0.746 -> 0.811 ->
 0.843 with TTFT P99 7.71 -> 7.59 -> 7.24 s and TPOT P99 20 -> 21 -> 21 ms. 1024 keeps the decode cost small;
 the balance and churn weights and the readback figures above were measured at 512 (weights not re-tuned).
+
+Prefill overflow (`prefill_overflow_queue_s`, default 10 s of estimated queued prefill on every prefill
+replica). A backed-up prefill pool feeds itself: a session's next turn waits behind the queue while its
+context, pinned or cached, expires or is evicted, and is then computed in full, which keeps the queues long.
+A decode replica holding that context computes the turn's new tokens in about a second. So when no prefill
+replica can start soon, local prefill is an option for every decode replica, charged like any local prefill
+for its batch's wait (`cost.stall_term`). The replay shows it where it happens: a Claude Code run starts 64
+sessions within a minute, first turns of 100k-850k tokens queue ~100 s on every prefill replica for the first
+~800 s, and at concurrency 64 seed 4 (readback 60 s with exports) that start gave TTFT P99 105 s and max/mean
+prefill tokens 1.19 without overflow; 19 s and 1.06 with it. Seeds 0-9, with overflow (without it, as
+measured before): readback off, concurrency 56 / 60 / 64 (prefill utilisation 0.50-0.59 / 0.57-0.70 /
+0.63-0.83): TTFT P99 37-59 / 50-92 / 55-123 s (59-74 / 67-177 / 95-195), max/mean 1.07-1.13 / 1.06-1.15 /
+1.08-1.15 (1.10-1.13 / 1.08-1.21 / 1.11-1.30), hit/bound unchanged; readback 60 s with exports, concurrency
+64 / 68 (0.55-0.63 / 0.62-0.72): TTFT P99 18-22 / 19-27 s (40-105 / 41-104), max/mean 1.04-1.08 / 1.04-1.08
+(1.04-1.19 / 1.05-1.22). Decode TPOT P99 rises 1-3 ms (to 17-20 ms; 28 ms on the one seed at 0.83
+utilisation). Mooncake's queues stay below 10 s: overflow never triggers; the stall term (which also ranks
+decode replicas for short local prefills) moves hit/bound 0.811 -> 0.799 and TTFT P99 7.59 -> 7.45 s.
 
 Session affinity: a session's next turn goes to the decode replica that served its previous turn (its KV is
 there) while that replica is not overloaded: KV usage below `affinity_max_kv_usage` and active sequences at
@@ -101,6 +120,7 @@ from router.policy.cost import (
     estimated_prefill_s,
     queued_prefill_s,
     queued_s,
+    stall_term,
     transfer_term,
 )
 from router.policy.types import (
@@ -128,6 +148,9 @@ class PdservePolicyConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unkn
     spread_half_life: Annotated[float, msgspec.Meta(gt=0)] = 2000.0
     balance_weight: Annotated[float, msgspec.Meta(ge=0)] = 0.2
     churn_weight: Annotated[float, msgspec.Meta(ge=0)] = 0.5
+    # With every eligible prefill replica this many estimated seconds behind, a decode replica may prefill
+    # any prompt itself (decode absorbs prefill overflow); None: only below `local_prefill_max_tokens`.
+    prefill_overflow_queue_s: Annotated[float, msgspec.Meta(ge=0)] | None = 10.0
 
 
 _RATE_TOKENS = 8192
@@ -293,16 +316,30 @@ class PdservePolicy:
                     k = idx[self._pick([pres[j] for j in idx], [fs[j] for j in idx], [owns[j] for j in idx])]
                     best_on_node[node] = (fs[k], pres[k])
 
+        # Prefill overflow: when every prefill replica is backed up, a decode replica holding most of a
+        # session's context computes the rest sooner than any of them (the stall term weighs its batch).
+        overflow = (
+            best_p is not None
+            and cfg.prefill_overflow_queue_s is not None
+            and min(queued_prefill_s(w.timing, p) for p in pres) >= cfg.prefill_overflow_queue_s
+        )
+
+        # One entry per option: its cost, decode replica, computing replica and own prefill seconds.
         options: list[float] = []
+        decoding: list[ReplicaView] = []
         computing: list[ReplicaView] = []
-        own: list[float] = []  # the option's own prefill seconds
+        own: list[float] = []
         for d in candidates:
             c_d = cached(d.replica_id)
             load = decode_term(w, d, n, req.max_tokens)
-            if best_p is None or n - c_d <= local_max:
-                options.append(w.prefill * own_prefill_s(c_d) + queued_s(w, d) + load)
+            local_allowed = best_p is None or n - c_d <= local_max
+            if local_allowed or overflow:
+                o = own_prefill_s(c_d)
+                options.append(w.prefill * o + queued_s(w, d) + load + stall_term(w, d, o))
+                decoding.append(d)
                 computing.append(d)
-                own.append(own_prefill_s(c_d))
+                own.append(o)
+            if local_allowed or best_p is None:  # (the first implies the second; for the type checker)
                 continue
             transfer = n - c_d
             total, p = best_f + load + transfer_term(w, transfer, False), best_p
@@ -314,10 +351,11 @@ class PdservePolicy:
                 if near < total:
                     total, p = near, local_best[1]
             options.append(total)
+            decoding.append(d)
             computing.append(p)
             own.append(own_prefill_s(p_cached(p)))
-        i = self._pick(candidates, options, own)
-        dec, comp = candidates[i], computing[i]
+        i = self._pick(decoding, options, own)
+        dec, comp = decoding[i], computing[i]
         local = comp is dec
         comp_cached = cached(comp.replica_id) if local else p_cached(comp)
         self._account(req, comp, comp_cached, dec, own_prefill_s(comp_cached))
@@ -325,7 +363,12 @@ class PdservePolicy:
             if memo_cache is not None:
                 memo_cache.expect_stored(memo, {comp.replica_id, dec.replica_id}, req.block_hashes)
             self._remember(req.session_id, session, dec.replica_id, memo)
-        reason = ("no_prefill_replica" if not pres else "local_prefill") if local else "disaggregated"
+        if not local:
+            reason = "disaggregated"
+        elif not pres:
+            reason = "no_prefill_replica"
+        else:
+            reason = "local_prefill" if n - comp_cached <= local_max else "prefill_overflow"
         pulled = comp_cached - cached(comp.replica_id)
         return Decision(
             prefill=None if local else comp.replica_id,

@@ -84,11 +84,13 @@ def test_defaults_are_the_local_cpu_cluster() -> None:
     assert topo.ray.address is None
 
 
-def test_router_balance_defaults_are_the_policys() -> None:
+def test_router_balance_and_overflow_defaults_are_the_policys() -> None:
     router, policy = Topology().router, PdservePolicyConfig()
     assert (router.balance_weight, router.churn_weight) == (policy.balance_weight, policy.churn_weight)
-    cfg = parse_topology("router: {balance_weight: 0.1, churn_weight: 0}").router
-    assert (cfg.balance_weight, cfg.churn_weight) == (0.1, 0.0)
+    assert router.prefill_overflow_queue_s == policy.prefill_overflow_queue_s
+    text = "router: {balance_weight: 0.1, churn_weight: 0, prefill_overflow_queue_s: null}"
+    cfg = parse_topology(text).router
+    assert (cfg.balance_weight, cfg.churn_weight, cfg.prefill_overflow_queue_s) == (0.1, 0.0, None)
 
 
 def test_empty_document_gives_the_defaults() -> None:

@@ -29,6 +29,7 @@ def test_terms_are_the_service_time_models_seconds_and_add_up() -> None:
     assert t.queue_s == pytest.approx(1.5)
     assert t.transfer_s == pytest.approx(T.transfer_s(400))
     assert t.decode_s == pytest.approx(64 * T.tpot_s(4, 31_000) + 0.5 * W.kv_full_s)
+    assert t.stall_s == 0.0  # a prefill replica computes it: no decode batch waits
     assert t.total == pytest.approx(t.prefill_s + t.queue_s + t.transfer_s + t.decode_s)
 
 
@@ -90,3 +91,15 @@ def test_weights_are_validated_with_field_names() -> None:
         msgspec.convert({"bogus": 1}, CostWeights)
     with pytest.raises(msgspec.ValidationError, match=r"timing\.link_bytes_per_s"):
         msgspec.convert({"timing": {"link_bytes_per_s": 0}}, CostWeights)
+
+
+def test_a_local_prefill_charges_its_seconds_once_per_sequence_in_the_decode_batch() -> None:
+    # While the decode replica computes the prompt, its batch (3 running + the next admitted) waits.
+    d = view("d", "decode", active=3)
+    t = cost(W, 8000, 1, d, 4000, d, 4000)
+    assert t.stall_s == pytest.approx(W.stall * T.prefill_s(4000, 4000) * 4)
+    assert t.total == pytest.approx(t.prefill_s + t.queue_s + t.decode_s + t.stall_s)
+    idle = view("d", "decode")
+    assert cost(W, 8000, 1, idle, 4000, idle, 4000).stall_s == pytest.approx(t.stall_s / 4)
+    off = msgspec.structs.replace(W, stall=0.0)
+    assert cost(off, 8000, 1, d, 4000, d, 4000).stall_s == 0.0

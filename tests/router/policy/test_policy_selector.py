@@ -85,6 +85,33 @@ def test_local_prefill_disabled_with_zero_threshold_except_fully_cached() -> Non
     assert not choose([view("p0")], [view("d0", "decode")], {"d0": 200}, policy=pol).local_prefill
 
 
+def test_prefill_overflow_lets_decode_prefill_past_the_threshold_when_every_prefill_queue_is_long() -> None:
+    # d0 holds 48k of a 64k prompt: 16k tokens is far above the local threshold. With every prefill replica
+    # at least `prefill_overflow_queue_s` behind, d0 computes them itself (~2 s) instead of a prefill replica
+    # computing all 64k (~5 s) after its queue.
+    n, decs, held = 64_000, [view("d0", "decode")], {"d0": 3000}
+    backed_up = [queued(view("p0"), 12.0), queued(view("p1"), 15.0)]
+    d = choose(backed_up, decs, held, n=n)
+    assert d.local_prefill and d.prefill is None and d.reason == "prefill_overflow"
+    assert d.predicted_cached_tokens == 3000 * BS
+    # One prefill replica below the threshold: the prompt goes there, as without overflow.
+    one_free = [queued(view("p0"), 12.0), queued(view("p1"), 9.0)]
+    assert choose(one_free, decs, held, n=n).prefill == "p1"
+    off = PdservePolicy(PdservePolicyConfig(prefill_overflow_queue_s=None))
+    assert choose(backed_up, decs, held, n=n, policy=off).prefill == "p0"
+
+
+def test_prefill_overflow_stays_off_a_busy_decode_batch() -> None:
+    # The stall term: 20 running sequences would each wait the ~2 s local prefill; the prefill replica's
+    # queue is cheaper.
+    n, backed_up, held = 64_000, [queued(view("p0"), 12.0)], {"d0": 3000}
+    assert choose(backed_up, [view("d0", "decode", active=20)], held, n=n).prefill == "p0"
+    # Between two decode replicas holding the prefix, the idle one prefills it.
+    decs = [view("d0", "decode", active=20), view("d1", "decode")]
+    d = choose(backed_up, decs, {"d0": 3000, "d1": 3000}, n=n)
+    assert d.local_prefill and d.decode == "d1"
+
+
 def test_no_prefill_replica_means_local_prefill() -> None:
     d = choose([view("p0", ready=False)], [view("d0", "decode")])
     assert d.local_prefill and d.reason == "no_prefill_replica"
@@ -235,9 +262,15 @@ def test_the_pair_search_finds_the_cost_formulas_optimum() -> None:
     # O(|P| + |D|) search == brute force over every (P, D) pair and local prefill, with ties disabled.
     rng = random.Random(7)
     w = CostWeights()
-    cfg = PdservePolicyConfig(tie_tolerance_s=0.0, tie_tolerance_rel=0.0, session_affinity=False)
     n = 8192
     for _ in range(200):
+        overflow = rng.choice([None, 1.0])  # prefill queues are drawn from 0-2 s: sometimes all above 1 s
+        cfg = PdservePolicyConfig(
+            tie_tolerance_s=0.0,
+            tie_tolerance_rel=0.0,
+            session_affinity=False,
+            prefill_overflow_queue_s=overflow,
+        )
         pres = [
             queued(view(f"p{i}", node=f"n{rng.randrange(3)}"), rng.uniform(0, 2))
             for i in range(rng.randint(1, 5))
@@ -249,13 +282,15 @@ def test_the_pair_search_finds_the_cost_formulas_optimum() -> None:
         blocks = {r.replica_id: rng.choice([0, 100, 300, 511, 512]) for r in (*pres, *decs)}
         got = choose(pres, decs, blocks, n=n, policy=PdservePolicy(cfg))
         c = {rid: min(b * BS, n - BS) for rid, b in blocks.items()}
+        backed_up = overflow is not None and all(p.queued_prefill_s >= overflow for p in pres)  # type: ignore[operator]
         options: list[tuple[float, str | None, str]] = []
         for d in decs:
-            if n - c[d.replica_id] <= cfg.local_prefill_max_tokens:
+            within = n - c[d.replica_id] <= cfg.local_prefill_max_tokens
+            if within or backed_up:
                 options.append(
                     (cost(w, n, 64, d, c[d.replica_id], d, c[d.replica_id]).total, None, d.replica_id)
                 )
-            else:
+            if not within:
                 for p in pres:
                     t = cost(w, n, 64, p, c[p.replica_id], d, c[d.replica_id]).total
                     options.append((t, p.replica_id, d.replica_id))
@@ -380,8 +415,9 @@ def test_an_export_is_only_counted_on_when_the_prefill_starts_before_it_expires(
     pres = [queued(view("p0"), 30.0)]
     decs = [view("d0", "decode")]
     lookup = FixedLookup({"d0": 3000})
-    assert PdservePolicy().choose(export_request(60.0, n=64_000), pres, decs, lookup).readback_tokens > 0
-    late = PdservePolicy().choose(export_request(20.0, n=64_000), pres, decs, lookup)
+    pol = PdservePolicy(PdservePolicyConfig(prefill_overflow_queue_s=None))  # p0's queue would overflow
+    assert pol.choose(export_request(60.0, n=64_000), pres, decs, lookup).readback_tokens > 0
+    late = pol.choose(export_request(20.0, n=64_000), pres, decs, lookup)
     assert late.readback_tokens == 0 and not late.readback_export
 
 
