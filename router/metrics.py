@@ -83,6 +83,16 @@ class RouterMetrics:
             registry=r,
         )
         self.paths = Counter("pdserve_serving_path", "Requests by serving path.", ["path"], registry=r)
+        self.decisions = Counter(
+            "pdserve_routing_decisions",
+            "Routing decisions by the policy's reason: 'disaggregated', 'local_prefill' (decode holds all "
+            "but a short suffix), 'prefill_overflow' (decode prefilled past that threshold because every "
+            "prefill replica was backed up: the prefill pool is short of capacity), 'no_prefill_replica'; "
+            "'affinity_' in front when a session stayed on its decode replica; 'unrouted' before any decode "
+            "replica was registered.",
+            ["reason"],
+            registry=r,
+        )
         self.chat_tokens = Counter(
             "pdserve_chat_prompt_tokens",
             "Chat prompt token ids by how the router got them: 'encoded' by the tokenizer, or 'reused' from "

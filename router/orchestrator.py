@@ -70,6 +70,9 @@ class Route(msgspec.Struct, frozen=True, kw_only=True):
     # prefill leg to pull ("": none).
     export_replica: str = ""
     export_tokens: int = 0
+    # The policy's reason (`Decision.reason`, e.g. "local_prefill", "prefill_overflow"); "unrouted" when no
+    # decode replica was known and Serve chose.
+    reason: str = "unrouted"
 
 
 class Completion(msgspec.Struct, kw_only=True):

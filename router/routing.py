@@ -127,6 +127,7 @@ class RequestRouter:
             pin_kv=self._readback is not None and session_id is not None,
             export_replica=export_replica,
             export_tokens=export_tokens,
+            reason=d.reason,
         )
 
     def _admit(self, request_id: str, tokens: int, req: RouteRequest | None, d: Decision | None) -> None:

@@ -141,6 +141,7 @@ class PdserveService(pb_grpc.PdserveServicer):
             raise _Aborted(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from exc
         except NoEligibleReplica as exc:
             raise _Aborted(grpc.StatusCode.UNAVAILABLE, f"no ready replica: {exc}") from exc
+        self._metrics.decisions.labels(reason=route.reason).inc()
         if route.readback_tokens:
             self._metrics.readback_tokens.labels(decode_replica=route.readback_replica).inc(
                 route.readback_tokens

@@ -77,8 +77,9 @@ def conversation(turns: int) -> list[dict[str, object]]:
 
 
 def test_next_turn_goes_to_the_decode_replica_holding_the_session_and_skips_prefill(
-    client: PdserveClient,
+    cluster: RunningCluster, client: PdserveClient
 ) -> None:
+    sticky_before = metric(cluster, "pdserve_routing_decisions_total", reason="affinity_local_prefill")
     first = client.generate_text(
         messages=conversation(1), session_id="agent-1", max_tokens=8, temperature=0.0
     )
@@ -98,6 +99,9 @@ def test_next_turn_goes_to_the_decode_replica_holding_the_session_and_skips_pref
     assert second.served_by.path == pb.SERVING_PATH_LOCAL_PREFILL
     assert second.served_by.prefill_replica == ""
     assert second.usage.kv_transferred_tokens == 0
+    # ... and the router counted why.
+    sticky = metric(cluster, "pdserve_routing_decisions_total", reason="affinity_local_prefill")
+    assert sticky - sticky_before == 1
     # The engine itself reports the previous turn's prefix as cached, and the router predicted it.
     assert second.usage.cached_tokens >= (prompt_blocks - 1) * BLOCK
     assert second.usage.predicted_cached_tokens >= (prompt_blocks - 1) * BLOCK

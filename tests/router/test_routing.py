@@ -1,4 +1,5 @@
-"""RequestRouter with KV readback: a session's pinned decode blocks reach its next prefill leg, once."""
+"""RequestRouter: KV readback (a session's pinned decode blocks reach its next prefill leg, once), exports,
+and prefill overflow driven by the router's own queue accounting."""
 
 from engine.messages import Sampling
 from router.cluster_view import ClusterView
@@ -104,3 +105,21 @@ def test_a_prefix_cached_on_a_decode_replica_is_exported_to_the_prefill_leg() ->
     assert route.prefill and route.readback_params is None
     assert route.export_replica == "d1" and route.export_tokens == 100 * BS == route.readback_tokens
     assert route.predicted_cached_tokens == 100 * BS
+    assert route.reason == "disaggregated"
+
+
+def test_a_backed_up_prefill_pool_overflows_to_the_decode_replica_holding_the_prefix() -> None:
+    view = make_view(decode=("d0", "d1"))
+    router = make_router(readback=False, view=view)
+    view.index.apply_stored("d0", list(range(1, 101)), None, PROMPT[: 100 * BS])
+    prompt = PROMPT + list(range(7000, 9000))  # 2400 tokens beyond d0's prefix: past the local threshold
+    # A 100k-token prompt dispatched to p0: the router's estimate puts p0 ~11 s behind (overflow at 10 s).
+    big = router.route("big", None, list(range(10**6, 10**6 + 100_000)), Sampling(max_tokens=4))
+    assert big.prefill_replica == "p0"
+    route = router.route("t1", None, prompt, Sampling(max_tokens=4))
+    assert not route.prefill and route.decode_replica == "d0" and route.reason == "prefill_overflow"
+    assert route.predicted_cached_tokens == 100 * BS
+    # p0's prompt done: its queue is empty again, and the same prompt goes through it.
+    router.prefill_done("big")
+    route = router.route("t2", None, prompt, Sampling(max_tokens=4))
+    assert route.prefill_replica == "p0" and route.reason == "disaggregated"
