@@ -67,7 +67,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="pdserve's router.local_prefill_max_tokens (default: the policy's, 1024): a decode replica "
         "holding all but this many prompt tokens prefills the rest itself",
     )
-    p.add_argument(
+    overflow = p.add_mutually_exclusive_group()
+    overflow.add_argument(
+        "--prefill-overflow-queue-s",
+        type=float,
+        default=None,
+        help="pdserve's router.prefill_overflow_queue_s (default: the policy's, 10): with every prefill "
+        "replica this many estimated seconds behind, a decode replica may prefill past the local threshold",
+    )
+    overflow.add_argument(
         "--no-prefill-overflow",
         action="store_true",
         help="pdserve never prefills on a decode replica past --local-prefill-max-tokens, even when every "
@@ -101,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     overrides: dict[str, object] = {}
     if args.local_prefill_max_tokens is not None:
         overrides["local_prefill_max_tokens"] = args.local_prefill_max_tokens
+    if args.prefill_overflow_queue_s is not None:
+        overrides["prefill_overflow_queue_s"] = args.prefill_overflow_queue_s
     if args.no_prefill_overflow:
         overrides["prefill_overflow_queue_s"] = None
     policies = select(args.policies, overrides)

@@ -339,7 +339,7 @@ class PdservePolicy:
                 decoding.append(d)
                 computing.append(d)
                 own.append(o)
-            if local_allowed or best_p is None:  # (the first implies the second; for the type checker)
+            if local_allowed or best_p is None:  # (local_allowed covers best_p None; restated for mypy)
                 continue
             transfer = n - c_d
             total, p = best_f + load + transfer_term(w, transfer, False), best_p
