@@ -1,7 +1,10 @@
-"""Test-session environment, set before anything imports Ray or vLLM."""
+"""Test-session environment, set before anything imports Ray or vLLM; and how the session leaves."""
 
 import os
+import sys
 import tempfile
+
+import pytest
 
 # pdserve's clusters run with Ray token auth on (the default of `ray start` in Ray 2.60); a driver must opt in
 # before Ray is imported, since Ray reads the mode once.
@@ -9,3 +12,23 @@ os.environ.setdefault("RAY_AUTH_MODE", "token")
 # Keep the tests' run state and built model apart from a developer's own `pdserve up`.
 os.environ.setdefault("PDSERVE_CACHE_DIR", tempfile.mkdtemp(prefix="pdserve-tests-"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+_EXIT_STATUS = pytest.StashKey[int]()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    session.config.stash[_EXIT_STATUS] = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Leave with pytest's exit status without finalizing the interpreter. The suite loads torch (vLLM), Ray's
+    core worker, gRPC and ZMQ into this process, and their native threads can crash the interpreter's
+    finalization after every test has run and been reported: one CI-equivalent run printed "464 passed" and
+    then exited 139 (segmentation fault); six others, and a rerun of the same commit, exited 0."""
+    status = config.stash.get(_EXIT_STATUS, None)
+    if status is None:  # no session ran (e.g. --help)
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
