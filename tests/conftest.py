@@ -25,7 +25,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     """Leave with pytest's exit status without finalizing the interpreter. The suite loads torch (vLLM), Ray's
     core worker, gRPC and ZMQ into this process, and their native threads can crash the interpreter's
     finalization after every test has run and been reported: one CI-equivalent run printed "464 passed" and
-    then exited 139 (segmentation fault); six others, and a rerun of the same commit, exited 0."""
+    then exited 139 (segmentation fault), while the other full runs, a rerun of that commit among them, exited
+    0."""
     status = config.stash.get(_EXIT_STATUS, None)
     if status is None:  # no session ran (e.g. --help)
         return
