@@ -297,9 +297,15 @@ class PdservePolicy:
         best_f = 0.0
         best_on_node: dict[str, tuple[float, ReplicaView]] = {}
         local_max = cfg.local_prefill_max_tokens
+        overflow = False
         if pres and any(n - cached(d.replica_id) > local_max for d in candidates):
             owns = [own_prefill_s(p_cached(p)) for p in pres]
-            fs = [w.prefill * o + queued_s(w, p) for o, p in zip(owns, pres, strict=True)]
+            queues = [queued_prefill_s(w.timing, p) for p in pres]
+            fs = [w.prefill * o + w.queue * q for o, q in zip(owns, queues, strict=True)]
+            # Prefill overflow: when every prefill replica is backed up, a decode replica holding most of a
+            # session's context computes the rest sooner than any of them (the stall term weighs its batch).
+            limit = cfg.prefill_overflow_queue_s
+            overflow = limit is not None and min(queues) >= limit
             if rb_tokens:
                 fs = [f + pull_s(p) for f, p in zip(fs, pres, strict=True)]
             if (cfg.balance_weight or cfg.churn_weight) and len(pres) > 1:
@@ -315,14 +321,6 @@ class PdservePolicy:
                 for node, idx in groups.items():
                     k = idx[self._pick([pres[j] for j in idx], [fs[j] for j in idx], [owns[j] for j in idx])]
                     best_on_node[node] = (fs[k], pres[k])
-
-        # Prefill overflow: when every prefill replica is backed up, a decode replica holding most of a
-        # session's context computes the rest sooner than any of them (the stall term weighs its batch).
-        overflow = (
-            best_p is not None
-            and cfg.prefill_overflow_queue_s is not None
-            and min(queued_prefill_s(w.timing, p) for p in pres) >= cfg.prefill_overflow_queue_s
-        )
 
         # One entry per option: its cost, decode replica, computing replica and own prefill seconds.
         options: list[float] = []
