@@ -83,7 +83,7 @@ def summarize(
     mean_w = sum(in_window.values()) / len(in_window) if in_window else 0.0
     window = sim.window_end or 0.0
     busy = sim.busy_time([s.replica_id for s in sim.prefill], window) if window > 0 else []
-    utils = [b / window for b in busy] if window > 0 else [0.0]
+    utils = [b / window for b in busy] if busy else [0.0]
     measured = [r for r in records if r.in_window]
     ttft = [r.ttft for r in measured]
     wait = [r.queue_wait for r in measured]

@@ -285,6 +285,9 @@ def test_local_prefill_uses_the_decode_replicas_cache() -> None:
     second = max(sim.records, key=lambda r: r.arrival)
     assert second.local_prefill and second.cached_blocks == 2
     assert sim.decode[0].computed_tokens == sum(r.computed_tokens for r in sim.records)
+    # A cluster without prefill replicas (every request aggregated on decode) is summarized, not a crash.
+    result = summarize("first", sim, sim.records, infinite_cache_hit_ratio(trace), 0.0)
+    assert result.prefill_util == 0.0 and result.local_prefill_share == 1.0
 
 
 # ---- load setting ----------------------------------------------------------------------------------------
