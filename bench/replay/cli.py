@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -36,33 +37,65 @@ class ReplayReport(msgspec.Struct, kw_only=True):
     results: list[PolicyResult]
 
 
+def _number(
+    kind: type[int] | type[float], *, low: float, low_open: bool = False, high: float | None = None
+) -> Callable[[str], int | float]:
+    """An argparse type: a number of `kind` at least `low` (above it with `low_open`), at most `high`."""
+
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {kind.__name__}, got {text!r}") from None
+        if value < low or (low_open and value == low) or (high is not None and value > high):
+            bound = f"> {low:g}" if low_open else f">= {low:g}"
+            if high is not None:
+                bound += f" and <= {high:g}"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its messages
+    return parse
+
+
+_COUNT = _number(int, low=1)
+_COUNT0 = _number(int, low=0)
+_POSITIVE = _number(float, low=0, low_open=True)
+_NON_NEGATIVE = _number(float, low=0)
+_FRACTION = _number(float, low=0, low_open=True, high=1)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve replay", description=__doc__.split("\n\n")[0])
     p.add_argument("--trace", choices=["claude-code", "mooncake"], required=True)
     p.add_argument("--traces-dir", type=Path, default=DEFAULT_TRACES_DIR)
     p.add_argument("--calibration", type=Path, default=DEFAULT_CALIBRATION)
-    p.add_argument("--replicas", type=int, default=8, help="prefill replicas (default 8)")
-    p.add_argument("--decode-replicas", type=int, default=None, help="decode replicas (default: --replicas)")
+    p.add_argument("--replicas", type=_COUNT0, default=8, help="prefill replicas (default 8)")
     p.add_argument(
-        "--cache-frac", type=float, default=0.02, help="per-replica capacity / slice unique blocks"
+        "--decode-replicas", type=_COUNT, default=None, help="decode replicas (default: --replicas)"
     )
-    p.add_argument("--block-tokens", type=int, default=512, help="router/engine block size in tokens")
     p.add_argument(
-        "--sessions", type=int, default=None, help="claude-code: sessions in the slice (default all)"
+        "--cache-frac", type=_FRACTION, default=0.02, help="per-replica capacity / slice unique blocks"
     )
-    p.add_argument("--requests", type=int, default=None, help="mooncake: first N requests (default all)")
+    p.add_argument("--block-tokens", type=_COUNT, default=512, help="router/engine block size in tokens")
+    p.add_argument(
+        "--sessions", type=_COUNT, default=None, help="claude-code: sessions in the slice (default all)"
+    )
+    p.add_argument("--requests", type=_COUNT, default=None, help="mooncake: first N requests (default all)")
     p.add_argument("--seed", type=int, default=0, help="session sample and order, start stagger")
-    p.add_argument("--target-util", type=float, default=0.6, help="prefill utilisation the load is set for")
+    p.add_argument(
+        "--target-util", type=_FRACTION, default=0.6, help="prefill utilisation the load is set for"
+    )
     p.add_argument("--reference-policy", default="pdserve", help="policy the pilot runs use to set the load")
-    p.add_argument("--pilot-rounds", type=int, default=4, help="pilot runs correcting the analytic load")
-    p.add_argument("--concurrency", type=int, default=None, help="claude-code: fix sessions in flight")
-    p.add_argument("--time-scale", type=float, default=None, help="mooncake: fix the arrival speed-up")
-    p.add_argument("--gap-scale", type=float, default=1.0, help="multiplies every tool/think gap")
-    p.add_argument("--max-gap-s", type=float, default=300.0, help="caps every tool/think gap (s)")
+    p.add_argument("--pilot-rounds", type=_COUNT0, default=4, help="pilot runs correcting the analytic load")
+    p.add_argument("--concurrency", type=_COUNT, default=None, help="claude-code: fix sessions in flight")
+    p.add_argument("--time-scale", type=_POSITIVE, default=None, help="mooncake: fix the arrival speed-up")
+    p.add_argument("--gap-scale", type=_NON_NEGATIVE, default=1.0, help="multiplies every tool/think gap")
+    p.add_argument("--max-gap-s", type=_NON_NEGATIVE, default=300.0, help="caps every tool/think gap (s)")
     p.add_argument("--policies", default="all", help="'all' or comma-separated names")
     p.add_argument(
         "--local-prefill-max-tokens",
-        type=int,
+        type=_COUNT0,
         default=None,
         help="pdserve's router.local_prefill_max_tokens (default: the policy's, 1024): a decode replica "
         "holding all but this many prompt tokens prefills the rest itself",
@@ -70,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     overflow = p.add_mutually_exclusive_group()
     overflow.add_argument(
         "--prefill-overflow-queue-s",
-        type=float,
+        type=_NON_NEGATIVE,
         default=None,
         help="pdserve's router.prefill_overflow_queue_s (default: the policy's, 10): with every prefill "
         "replica this many estimated seconds behind, a decode replica may prefill past the local threshold",
@@ -83,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--readback-ttl-s",
-        type=float,
+        type=_POSITIVE,
         default=None,
         help="KV readback (topology router.kv_readback_ttl_s), for every policy: decode replicas keep a "
         "finished turn's KV pinned this long and the session's next prefill pulls it; pdserve may also pull "
@@ -105,7 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     overrides: dict[str, object] = {}
     if args.local_prefill_max_tokens is not None:
         overrides["local_prefill_max_tokens"] = args.local_prefill_max_tokens
@@ -113,11 +147,17 @@ def main(argv: list[str] | None = None) -> int:
         overrides["prefill_overflow_queue_s"] = args.prefill_overflow_queue_s
     if args.no_prefill_overflow:
         overrides["prefill_overflow_queue_s"] = None
-    policies = select(args.policies, overrides)
+    try:
+        policies = select(args.policies, overrides)
+    except ValueError as e:
+        parser.error(f"argument --policies: {e}")
     limit = args.sessions if args.trace == "claude-code" else args.requests
-    trace = load_trace(
-        args.trace, args.traces_dir, block_tokens=args.block_tokens, limit=limit, seed=args.seed
-    )
+    try:
+        trace = load_trace(
+            args.trace, args.traces_dir, block_tokens=args.block_tokens, limit=limit, seed=args.seed
+        )
+    except FileNotFoundError as e:
+        parser.error(f"argument --traces-dir: {e.strerror}: {e.filename}")
     unique = trace.unique_blocks()
     capacity = max(1, int(args.cache_frac * unique))
     bound = infinite_cache_hit_ratio(trace)

@@ -32,8 +32,9 @@ def pdserve_config(
     overrides: PdserveOverrides | None = None, timing: ServiceTimeModel | None = None
 ) -> PdservePolicyConfig:
     """pdserve's policy as the replay runs it: the defaults with `overrides`, costed with the replay's
-    service-time model."""
-    cfg = msgspec.structs.replace(PdservePolicyConfig(), **(overrides or {}))
+    service-time model. Overrides are validated as a topology's router section is (msgspec.ValidationError,
+    a ValueError, naming the field)."""
+    cfg = msgspec.convert(dict(overrides or {}), PdservePolicyConfig)
     if timing is not None:
         cfg = msgspec.structs.replace(cfg, weights=msgspec.structs.replace(cfg.weights, timing=timing))
     return cfg
@@ -50,7 +51,8 @@ def describe_pdserve(cfg: PdservePolicyConfig) -> str:
 
 
 def available_policies(pdserve_overrides: PdserveOverrides | None = None) -> dict[str, PolicyFactory]:
-    """Name -> factory; `pdserve_overrides` change PdservePolicyConfig's defaults."""
+    """Name -> factory; `pdserve_overrides` change PdservePolicyConfig's defaults (checked here)."""
+    pdserve_config(pdserve_overrides)
 
     def pdserve(timing: ServiceTimeModel) -> Policy:
         return PdservePolicy(pdserve_config(pdserve_overrides, timing))

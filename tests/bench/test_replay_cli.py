@@ -23,3 +23,27 @@ def test_a_threshold_and_no_overflow_together_are_refused(capsys: pytest.Capture
         main([*SMALL, "--prefill-overflow-queue-s", "5", "--no-prefill-overflow"])
     assert exit_.value.code == 2
     assert "not allowed with argument" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--cache-frac", "-1"], "argument --cache-frac: must be > 0 and <= 1, got -1"),
+        (["--cache-frac", "1.5"], "argument --cache-frac: must be > 0 and <= 1, got 1.5"),
+        (["--time-scale", "0"], "argument --time-scale: must be > 0, got 0"),
+        (["--requests", "0"], "argument --requests: must be >= 1, got 0"),
+        (["--local-prefill-max-tokens", "-5"], "argument --local-prefill-max-tokens: must be >= 0, got -5"),
+        (["--readback-ttl-s", "ten"], "argument --readback-ttl-s: expected float, got 'ten'"),
+        (["--policies", "pdserve,sglang"], "argument --policies: unknown policies ['sglang']; known: ["),
+        (["--traces-dir", "/nonexistent"], "argument --traces-dir: No such file or directory: /nonexistent/"),
+    ],
+)
+def test_bad_arguments_are_refused_naming_the_argument(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main([*SMALL, *args])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert "Traceback" not in err

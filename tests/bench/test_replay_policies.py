@@ -33,6 +33,13 @@ def test_the_report_names_the_settings_pdserves_numbers_depend_on() -> None:
     assert off.endswith("prefill overflow off")
 
 
+def test_pdserve_settings_are_validated_naming_the_field() -> None:
+    with pytest.raises(ValueError, match=r"Expected `int` >= 0 - at `\$.local_prefill_max_tokens`"):
+        available_policies({"local_prefill_max_tokens": -5})
+    with pytest.raises(ValueError, match="unknown field `prefill_overflow`"):
+        pdserve_config({"prefill_overflow": 5.0})
+
+
 def test_unknown_policy_names_are_refused_with_the_known_ones() -> None:
     assert list(select("pdserve, dynamo_kv")) == ["pdserve", "dynamo_kv"]
     with pytest.raises(ValueError, match=r"unknown policies \['sglang'\]; known: \["):
