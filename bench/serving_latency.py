@@ -45,6 +45,7 @@ def _topology(base: Path, out: Path, *, disaggregated: bool) -> dict[str, Any]:
     if disaggregated:
         # Every request through prefill -> NIXL -> decode (no local-prefill shortcut): this measures the path.
         topo["router"]["local_prefill_max_tokens"] = 0
+        topo["router"]["long_local_prefill"] = False
         topo["router"]["prefill_overflow_queue_s"] = None
     else:
         topo["pools"]["prefill"]["replicas"] = 0

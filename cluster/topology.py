@@ -214,10 +214,12 @@ class Router(_Config, frozen=True, kw_only=True):
     # computed (cache churn) above the pool's mean. PdservePolicyConfig's defaults (a test keeps them equal).
     balance_weight: NonNegativeFloat = 0.2
     churn_weight: NonNegativeFloat = 0.5
-    # Prefill overflow: when every prefill replica has at least this many estimated seconds of prompts queued,
-    # a decode replica holding most of a prompt's context may prefill the rest itself past
-    # local_prefill_max_tokens, charged for stalling its batch (router/policy/selector.py); null: never.
-    # PdservePolicyConfig's default (a test keeps them equal).
+    # Long local prefill: a decode replica holding most of a prompt's context may prefill a suffix longer than
+    # local_prefill_max_tokens itself when that costs less than the prefill hop, charged heavily for stalling
+    # its batch (router/policy/selector.py). Prefill overflow: when every prefill replica has at least this
+    # many estimated seconds of prompts queued, that stall is charged like a short local prefill's; null:
+    # never. PdservePolicyConfig's defaults (a test keeps them equal).
+    long_local_prefill: bool = True
     prefill_overflow_queue_s: NonNegativeFloat | None = 10.0
     # KV readback (router/readback.py): decode engines keep each finished turn's KV pinned this long so the
     # session's next prefill pulls it instead of computing it; 0 = off.

@@ -48,6 +48,7 @@ class RouterProcess:
                 session_affinity=topo.router.session_affinity,
                 balance_weight=topo.router.balance_weight,
                 churn_weight=topo.router.churn_weight,
+                long_local_prefill=topo.router.long_local_prefill,
                 prefill_overflow_queue_s=topo.router.prefill_overflow_queue_s,
             )
         )

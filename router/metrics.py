@@ -86,7 +86,8 @@ class RouterMetrics:
         self.decisions = Counter(
             "pdserve_routing_decisions",
             "Routing decisions by the policy's reason: 'disaggregated', 'local_prefill' (decode holds all "
-            "but a short suffix), 'prefill_overflow' (decode prefilled past that threshold because every "
+            "but a short suffix), 'long_local_prefill' (decode prefilled a longer suffix over the context it "
+            "holds: cheaper than the prefill hop's recompute), 'prefill_overflow' (the same because every "
             "prefill replica was backed up: the prefill pool is short of capacity), 'no_prefill_replica'; "
             "'affinity_' in front when a session stayed on its decode replica; 'unrouted' before any decode "
             "replica was registered.",

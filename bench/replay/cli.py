@@ -100,19 +100,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="pdserve's router.local_prefill_max_tokens (default: the policy's, 1024): a decode replica "
         "holding all but this many prompt tokens prefills the rest itself",
     )
+    p.add_argument(
+        "--no-long-local-prefill",
+        action="store_true",
+        help="pdserve prefills on a decode replica past --local-prefill-max-tokens only in prefill overflow "
+        "(topology router.long_local_prefill: false)",
+    )
     overflow = p.add_mutually_exclusive_group()
     overflow.add_argument(
         "--prefill-overflow-queue-s",
         type=_NON_NEGATIVE,
         default=None,
         help="pdserve's router.prefill_overflow_queue_s (default: the policy's, 10): with every prefill "
-        "replica this many estimated seconds behind, a decode replica may prefill past the local threshold",
+        "replica this many estimated seconds behind, a decode replica's long local prefill is charged as a "
+        "short one's",
     )
     overflow.add_argument(
         "--no-prefill-overflow",
         action="store_true",
-        help="pdserve never prefills on a decode replica past --local-prefill-max-tokens, even when every "
-        "prefill replica is backed up (topology router.prefill_overflow_queue_s: null)",
+        help="pdserve never treats a backed-up prefill pool as overflow (topology "
+        "router.prefill_overflow_queue_s: null)",
     )
     p.add_argument(
         "--readback-ttl-s",
@@ -147,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         overrides["prefill_overflow_queue_s"] = args.prefill_overflow_queue_s
     if args.no_prefill_overflow:
         overrides["prefill_overflow_queue_s"] = None
+    if args.no_long_local_prefill:
+        overrides["long_local_prefill"] = False
     try:
         policies = select(args.policies, overrides)
     except ValueError as e:

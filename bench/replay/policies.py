@@ -46,6 +46,7 @@ def describe_pdserve(cfg: PdservePolicyConfig) -> str:
     return (
         f"pdserve: local_prefill_max_tokens {cfg.local_prefill_max_tokens}, prefill weight "
         f"{cfg.weights.prefill:g}, balance {cfg.balance_weight:g}, churn {cfg.churn_weight:g}, "
+        f"long local prefill {f'stall x{cfg.weights.long_stall:g}' if cfg.long_local_prefill else 'off'}, "
         f"prefill overflow {'off' if overflow is None else f'at {overflow:g} s queued'}"
     )
 

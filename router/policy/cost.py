@@ -7,6 +7,9 @@
                + kv_full_s  * kv_usage(D)                             KV pressure on D (preemption risk)
              [ + w_stall    * prefill_s * (active(D) + 1)             local prefill only: D's batch waits ]
 
+(w_stall is `long_stall` for a local prefill of a suffix longer than the local-prefill threshold, outside
+prefill overflow: see below.)
+
 Every time comes from `router.policy.service_time.ServiceTimeModel`, the model the trace replay charges, so a
 cached token is worth what it saves: a hit on a long context saves the attention over all of it (quadratic),
 which a count of tokens undervalues against a few thousand queued tokens. `queued_prefill_s(P)` is the sum of
@@ -16,8 +19,12 @@ the same estimate over the prompts queued on P (`router.load.LoadTracker` keeps 
 For the local-prefill option (D computes the prompt itself, no P) the same formula applies with P := D and no
 transfer, plus the stall term: while D computes a prompt, every sequence in its batch (and the next one it
 admits) waits, so the prompt's seconds are charged once per sequence. For a suffix under the local-prefill
-threshold it is small; it is what keeps a long prompt off a busy decode batch when the selector lets decode
-replicas absorb prefill overflow. With KV readback (`RouteRequest.readback`: the session's previous decode
+threshold it is small and weighted `stall`; it ranks decode replicas. A longer suffix (the selector offers it
+to a decode replica holding the prompt's context, `PdservePolicyConfig.long_local_prefill`) spans many engine
+steps and slows every running sequence for all of them: weighted `long_stall`, so that it is taken when the
+context's recompute elsewhere costs far more than the batch's wait, and kept off busy batches. When the
+prefill pool is backed up (prefill overflow), the queue it would wait in is the alternative: `stall` again.
+With KV readback (`RouteRequest.readback`: the session's previous decode
 replica keeps its KV pinned), "cached on P" is the longer of P's own prefix and the pinned one, and the pull
 of the difference is one more transfer term. The selector (`router.policy.selector`) decides which options
 exist and adds that term; this module only scores them.
@@ -29,10 +36,16 @@ weight is 5: a miss is charged five times its own seconds. Chosen by a sweep on 
 / 5 / 10 on Claude Code at ~50% utilisation: hit/bound 0.94 / 0.97 / 0.98 / 0.99, with max/mean load rising;
 on Mooncake 0.64 / 0.73 / 0.75 / 0.80 with TTFT P99 flat to weight 10); it is a tuning knob, not a
 measurement. `stall` 1 charges each waiting sequence the whole prefill, as the replay models it (vLLM's
-chunked prefill interleaves decode steps with it, so this overstates the wait). `kv_full_s` is a judgement,
-not a measurement: a decode replica at full KV preempts and recomputes sequences; 2 s is the recompute of a
-~40k-token context on the default model. Decoding's slowdown of the sequences already on D is not charged (it
-is small against the terms above: one more sequence adds ~1 ms to a ~25 ms step).
+chunked prefill interleaves decode steps with it, so this overstates the wait). `long_stall` 20 was chosen on
+the replay (Claude Code, readback off, concurrency 64, seeds 0-4, long local prefill weighted by it at every
+queue length): weight 1 / 5 / 10 / 20 gave hit/bound 0.997 / 0.994-0.996 / 0.992-0.993 / 0.989-0.990, TTFT P99
+18-20 / 24-33 / 28-45 / 42-66 s and decode TPOT P99 42-52 / 24-32 / 20-26 / 18-20 ms (no long local prefill:
+0.961-0.975, 56-123 s, 18-28 ms). 20 keeps TPOT where disaggregation puts it; lighter weights buy TTFT with
+decode latency. With prefill overflow back at `stall` (the default) 20 gives 0.988-0.990, 26-35 s, 20-22 ms.
+`kv_full_s` is a judgement, not a measurement: a decode replica at full KV preempts and recomputes sequences;
+2 s is the recompute of a ~40k-token context on the default model. Decoding's slowdown of the sequences
+already on D is not charged (it is small against the terms above: one more sequence adds ~1 ms to a ~25 ms
+step).
 """
 
 from __future__ import annotations
@@ -55,6 +68,7 @@ class CostWeights(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     decode: NonNegative = 1.0
     kv_full_s: NonNegative = 2.0
     stall: NonNegative = 1.0
+    long_stall: NonNegative = 20.0
     max_output_tokens: Annotated[int, msgspec.Meta(ge=0)] = 1024
 
 
@@ -118,9 +132,10 @@ def decode_term(w: CostWeights, d: ReplicaView, num_prompt_tokens: int, max_toke
     return w.decode * out * step + w.kv_full_s * d.kv_usage
 
 
-def stall_term(w: CostWeights, d: ReplicaView, prefill_s: float) -> float:
-    """Weighted seconds decode replica `d`'s batch waits while it computes a prompt itself."""
-    return w.stall * prefill_s * (d.active_seqs + 1)
+def stall_term(w: CostWeights, d: ReplicaView, prefill_s: float, *, long: bool = False) -> float:
+    """Weighted seconds decode replica `d`'s batch waits while it computes a prompt itself (`long`: a suffix
+    past the local-prefill threshold, outside prefill overflow)."""
+    return (w.long_stall if long else w.stall) * prefill_s * (d.active_seqs + 1)
 
 
 def transfer_term(w: CostWeights, transfer_tokens: int, within_node: bool) -> float:
@@ -139,9 +154,11 @@ def cost(
     cached_on_computing: int,
     decode: ReplicaView,
     cached_on_decode: int,
+    *,
+    long_stall: bool = False,
 ) -> CostTerms:
     """Score computing the prompt on `computing` and decoding on `decode` (the same replica = local
-    prefill)."""
+    prefill; `long_stall`: a long local prefill, its stall weighted `CostWeights.long_stall`)."""
     uncached = num_prompt_tokens - cached_on_computing
     local = computing.replica_id == decode.replica_id
     transfer = 0 if local else num_prompt_tokens - cached_on_decode
@@ -150,7 +167,7 @@ def cost(
     queue = queued_s(w, computing)
     move = transfer_term(w, transfer, same_node(computing, decode))
     dec = decode_term(w, decode, num_prompt_tokens, max_tokens)
-    stall = stall_term(w, decode, own) if local else 0.0
+    stall = stall_term(w, decode, own, long=long_stall) if local else 0.0
     return CostTerms(
         uncached_prefill_tokens=uncached,
         transfer_tokens=transfer,

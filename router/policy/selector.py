@@ -8,8 +8,10 @@ For each eligible decode replica D the options are:
   either the cheapest P overall or the cheapest P on D's node: the joint (P, D) optimum costs O(|P| + |D|),
   not O(|P||D|).
 - with no eligible prefill replica, D prefills locally whatever its cache holds;
-- with every eligible prefill replica `prefill_overflow_queue_s` behind (prefill overflow, below), D may also
-  prefill locally whatever its cache holds, next to its disaggregated option.
+- with `long_local_prefill` (default), D may also prefill the longer suffix itself, next to its disaggregated
+  option, its batch's wait weighted `CostWeights.long_stall`; with every eligible prefill replica
+  `prefill_overflow_queue_s` behind (prefill overflow), weighted `CostWeights.stall`, as any local prefill
+  (both below).
 The option with the lowest cost wins.
 
 Ties. Costs within `tie_tolerance_s`, or within `tie_tolerance_rel` x the cheapest option's own prefill
@@ -83,22 +85,40 @@ to local prefill; max/mean prefill tokens 1.07-1.17 -> 1.10-1.13 -> 1.06-1.13, h
 0.843 with TTFT P99 7.71 -> 7.59 -> 7.24 s and TPOT P99 20 -> 21 -> 21 ms. 1024 keeps the decode cost small;
 the balance and churn weights and the readback figures above were measured at 512 (weights not re-tuned).
 
+Long local prefill (`long_local_prefill`, default on). An agent session's next turn appends a tool result of a
+few thousand tokens to a context of 100k or more: past the threshold, yet the decode replica holding the
+context computes it in well under a second, while a prefill replica lacking the context (prefill caches churn
+faster than the decode replica that keeps the running session) recomputes all of it: many seconds, and a miss
+that evicts other sessions' prefixes. So D's local prefill is an option whatever the suffix, its batch's wait
+weighted `CostWeights.long_stall` (20; see router.policy.cost): each running sequence waits the prefill's
+seconds (vLLM chunks it between decode steps, which slows them rather than stops them: a little less), and the
+weight keeps decode TPOT where disaggregation puts it. Claude Code replay, readback off, seeds 0-9,
+concurrency 60 / 64 / 68 / 72 (prefill utilisation 0.50-0.55 / 0.53-0.59 / 0.58-0.66 / 0.63-0.74): hit/bound
+0.989-0.991 / 0.988-0.991 / 0.986-0.989 / 0.979-0.987, max/mean prefill tokens 1.04-1.11 / 1.05-1.11 /
+1.07-1.12 / 1.04-1.13, TTFT P99 23-30 / 24-35 / 27-38 / 35-57 s, decode TPOT P99 18-20 / 19-22 / 22-25 / 23-31
+ms; without it (concurrency 60 / 64) hit/bound 0.971-0.982 / 0.961-0.975, TTFT P99 50-92 / 55-123 s, TPOT P99
+17-20 / 18-28 ms. With readback 60 s and exports (concurrency 64) unchanged within noise: 0.995-0.998, TTFT
+P99 18-22 s. Mooncake (short contexts, short queues): hit/bound 0.799 -> 0.808, TTFT P99 7.45 s either way.
+
 Prefill overflow (`prefill_overflow_queue_s`, default 10 s of estimated queued prefill on every prefill
 replica). A backed-up prefill pool feeds itself: a session's next turn waits behind the queue while its
 context, pinned or cached, expires or is evicted, and is then computed in full, which keeps the queues long.
 A decode replica holding that context computes the turn's new tokens in about a second. So when no prefill
-replica can start soon, local prefill is an option for every decode replica, charged like any local prefill
-for its batch's wait (`cost.stall_term`). The replay shows it where it happens: a Claude Code run starts 64
-sessions within a minute, first turns of 100k-850k tokens queue ~100 s on every prefill replica for the first
-~800 s, and at concurrency 64 seed 4 (readback 60 s with exports) that start gave TTFT P99 105 s and max/mean
-prefill tokens 1.19 without overflow; 19 s and 1.06 with it. Seeds 0-9, with overflow (without it, as
-measured before): readback off, concurrency 56 / 60 / 64 (prefill utilisation 0.50-0.59 / 0.57-0.70 /
-0.63-0.83): TTFT P99 37-59 / 50-92 / 55-123 s (59-74 / 67-177 / 95-195), max/mean 1.07-1.13 / 1.06-1.15 /
-1.08-1.15 (1.10-1.13 / 1.08-1.21 / 1.11-1.30), hit/bound unchanged; readback 60 s with exports, concurrency
-64 / 68 (0.55-0.63 / 0.62-0.72): TTFT P99 18-22 / 19-27 s (40-105 / 41-104), max/mean 1.04-1.08 / 1.04-1.08
-(1.04-1.19 / 1.05-1.22). Decode TPOT P99 rises 1-3 ms (to 17-20 ms; 28 ms on the one seed at 0.83
-utilisation). Mooncake's queues stay below 10 s: overflow never triggers; the stall term (which also ranks
-decode replicas for short local prefills) moves hit/bound 0.811 -> 0.799 and TTFT P99 7.59 -> 7.45 s.
+replica can start soon, a local prefill past the threshold is weighted like any local prefill (`stall`, 1),
+not as a long one: the queue, not the batch, is what the request would otherwise wait for. (Before long local
+prefill existed, overflow was the only way past the threshold: the measurements below are from then.) The
+replay shows it where it happens: a Claude Code run starts 64 sessions within a minute, first turns of
+100k-850k tokens queue ~100 s on every prefill replica for the first ~800 s, and at concurrency 64 seed 4
+(readback 60 s with exports) that start gave TTFT P99 105 s and max/mean prefill tokens 1.19 without
+overflow; 19 s and 1.06 with it. Seeds 0-9, with overflow (without it, as measured before): readback off,
+concurrency 56 / 60 / 64 (prefill utilisation 0.50-0.59 / 0.57-0.70 / 0.63-0.83): TTFT P99 37-59 / 50-92 /
+55-123 s (59-74 / 67-177 / 95-195), max/mean 1.07-1.13 / 1.06-1.15 / 1.08-1.15 (1.10-1.13 / 1.08-1.21 /
+1.11-1.30), hit/bound unchanged; readback 60 s with exports, concurrency 64 / 68 (0.55-0.63 / 0.62-0.72): TTFT
+P99 18-22 / 19-27 s (40-105 / 41-104), max/mean 1.04-1.08 / 1.04-1.08 (1.04-1.19 / 1.05-1.22). Decode TPOT
+P99 rises 1-3 ms (to 17-20 ms; 28 ms on the one seed at 0.83 utilisation). Weighting overflow at
+`long_stall` too would lose most of that (readback 60 s, concurrency 64 / 68, seeds 0-4: TTFT P99 29-57 /
+40-68 s). Mooncake's queues stay below 10 s: overflow never triggers; the stall term (which also ranks decode
+replicas for short local prefills) moves hit/bound 0.811 -> 0.799 and TTFT P99 7.59 -> 7.45 s.
 
 Session affinity: a session's next turn goes to the decode replica that served its previous turn (its KV is
 there) while that replica is not overloaded: KV usage below `affinity_max_kv_usage` and active sequences at
@@ -148,8 +168,11 @@ class PdservePolicyConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unkn
     spread_half_life: Annotated[float, msgspec.Meta(gt=0)] = 2000.0
     balance_weight: Annotated[float, msgspec.Meta(ge=0)] = 0.2
     churn_weight: Annotated[float, msgspec.Meta(ge=0)] = 0.5
-    # With every eligible prefill replica this many estimated seconds behind, a decode replica may prefill
-    # any prompt itself (decode absorbs prefill overflow); None: only below `local_prefill_max_tokens`.
+    # A decode replica may prefill a suffix longer than `local_prefill_max_tokens` itself when that costs less
+    # than any disaggregated option, its batch's wait weighted `CostWeights.long_stall` (long local prefill).
+    long_local_prefill: bool = True
+    # With every eligible prefill replica this many estimated seconds behind, that wait is weighted like any
+    # local prefill's, `CostWeights.stall` (decode absorbs prefill overflow); None: never.
     prefill_overflow_queue_s: Annotated[float, msgspec.Meta(ge=0)] | None = 10.0
 
 
@@ -303,7 +326,8 @@ class PdservePolicy:
             queues = [queued_prefill_s(w.timing, p) for p in pres]
             fs = [w.prefill * o + w.queue * q for o, q in zip(owns, queues, strict=True)]
             # Prefill overflow: when every prefill replica is backed up, a decode replica holding most of a
-            # session's context computes the rest sooner than any of them (the stall term weighs its batch).
+            # session's context computes the rest sooner than any of them: its batch's wait is weighed as any
+            # local prefill's, not as a long one's.
             limit = cfg.prefill_overflow_queue_s
             overflow = limit is not None and min(queues) >= limit
             if rb_tokens:
@@ -331,9 +355,10 @@ class PdservePolicy:
             c_d = cached(d.replica_id)
             load = decode_term(w, d, n, req.max_tokens)
             local_allowed = best_p is None or n - c_d <= local_max
-            if local_allowed or overflow:
+            if local_allowed or overflow or cfg.long_local_prefill:
                 o = own_prefill_s(c_d)
-                options.append(w.prefill * o + queued_s(w, d) + load + stall_term(w, d, o))
+                long = not (local_allowed or overflow)
+                options.append(w.prefill * o + queued_s(w, d) + load + stall_term(w, d, o, long=long))
                 decoding.append(d)
                 computing.append(d)
                 own.append(o)
@@ -366,7 +391,10 @@ class PdservePolicy:
         elif not pres:
             reason = "no_prefill_replica"
         else:
-            reason = "local_prefill" if n - comp_cached <= local_max else "prefill_overflow"
+            if n - comp_cached <= local_max:
+                reason = "local_prefill"
+            else:
+                reason = "prefill_overflow" if overflow else "long_local_prefill"
         pulled = comp_cached - cached(comp.replica_id)
         return Decision(
             prefill=None if local else comp.replica_id,

@@ -9,13 +9,15 @@ from bench.replay.cli import main
 SMALL = ["--trace", "mooncake", "--requests", "300", "--time-scale", "2.947", "--policies", "pdserve"]
 
 
-def test_the_overflow_threshold_reaches_pdserve_and_the_report(capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_local_prefill_settings_reach_pdserve_and_the_report(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*SMALL, "--prefill-overflow-queue-s", "5"]) == 0
     assert "prefill overflow at 5 s queued" in capsys.readouterr().out
     assert main([*SMALL, "--no-prefill-overflow"]) == 0
     assert "prefill overflow off" in capsys.readouterr().out
     assert main(SMALL) == 0
-    assert "prefill overflow at 10 s queued" in capsys.readouterr().out
+    assert "long local prefill stall x20, prefill overflow at 10 s queued" in capsys.readouterr().out
+    assert main([*SMALL, "--no-long-local-prefill"]) == 0
+    assert "long local prefill off, prefill overflow at 10 s queued" in capsys.readouterr().out
 
 
 def test_a_threshold_and_no_overflow_together_are_refused(capsys: pytest.CaptureFixture[str]) -> None:

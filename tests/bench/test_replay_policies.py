@@ -27,10 +27,10 @@ def test_the_report_names_the_settings_pdserves_numbers_depend_on() -> None:
     line = describe_pdserve(pdserve_config({"local_prefill_max_tokens": 768}))
     assert line == (
         "pdserve: local_prefill_max_tokens 768, prefill weight 5, balance 0.2, churn 0.5, "
-        "prefill overflow at 10 s queued"
+        "long local prefill stall x20, prefill overflow at 10 s queued"
     )
-    off = describe_pdserve(pdserve_config({"prefill_overflow_queue_s": None}))
-    assert off.endswith("prefill overflow off")
+    off = describe_pdserve(pdserve_config({"prefill_overflow_queue_s": None, "long_local_prefill": False}))
+    assert off.endswith("long local prefill off, prefill overflow off")
 
 
 def test_pdserve_settings_are_validated_naming_the_field() -> None:

@@ -84,13 +84,22 @@ def test_defaults_are_the_local_cpu_cluster() -> None:
     assert topo.ray.address is None
 
 
-def test_router_balance_and_overflow_defaults_are_the_policys() -> None:
+def test_router_balance_and_local_prefill_defaults_are_the_policys() -> None:
     router, policy = Topology().router, PdservePolicyConfig()
     assert (router.balance_weight, router.churn_weight) == (policy.balance_weight, policy.churn_weight)
+    assert router.long_local_prefill == policy.long_local_prefill
     assert router.prefill_overflow_queue_s == policy.prefill_overflow_queue_s
-    text = "router: {balance_weight: 0.1, churn_weight: 0, prefill_overflow_queue_s: null}"
+    text = (
+        "router: {balance_weight: 0.1, churn_weight: 0, long_local_prefill: false, "
+        "prefill_overflow_queue_s: null}"
+    )
     cfg = parse_topology(text).router
-    assert (cfg.balance_weight, cfg.churn_weight, cfg.prefill_overflow_queue_s) == (0.1, 0.0, None)
+    assert (cfg.balance_weight, cfg.churn_weight, cfg.long_local_prefill, cfg.prefill_overflow_queue_s) == (
+        0.1,
+        0.0,
+        False,
+        None,
+    )
 
 
 def test_empty_document_gives_the_defaults() -> None:

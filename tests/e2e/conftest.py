@@ -11,8 +11,13 @@ from e2e_support import RunningCluster, make_topology
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningCluster]:
     # Every request takes the prefill -> NIXL -> decode path: these tests are about that path, so the
-    # router's local-prefill shortcut (tested in test_kv_routing.py) is off.
-    topology = make_topology(tmp_path_factory.mktemp("topology"), router__local_prefill_max_tokens=0)
+    # router's local-prefill shortcuts (tested in test_kv_routing.py) are off.
+    topology = make_topology(
+        tmp_path_factory.mktemp("topology"),
+        router__local_prefill_max_tokens=0,
+        router__long_local_prefill=False,
+        router__prefill_overflow_queue_s=None,
+    )
     running = RunningCluster(topology)
     try:
         running.wait_ready()

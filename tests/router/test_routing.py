@@ -1,5 +1,5 @@
 """RequestRouter: KV readback (a session's pinned decode blocks reach its next prefill leg, once), exports,
-and prefill overflow driven by the router's own queue accounting."""
+long local prefill, and prefill overflow driven by the router's own queue accounting."""
 
 from engine.messages import Sampling
 from router.cluster_view import ClusterView
@@ -106,6 +106,18 @@ def test_a_prefix_cached_on_a_decode_replica_is_exported_to_the_prefill_leg() ->
     assert route.export_replica == "d1" and route.export_tokens == 100 * BS == route.readback_tokens
     assert route.predicted_cached_tokens == 100 * BS
     assert route.reason == "disaggregated"
+
+
+def test_a_long_suffix_on_a_long_cached_context_is_prefilled_by_the_decode_replica_holding_it() -> None:
+    view = make_view(decode=("d0", "d1"))
+    router = make_router(readback=False, view=view)
+    context = list(range(10**6, 10**6 + 64_000))
+    view.index.apply_stored("d0", list(range(1, 4001)), None, context)
+    # 2000 new tokens, past the local threshold: d0 computes them over its cached context (~0.3 s) rather
+    # than p0 computing all 66k (~5 s).
+    route = router.route("t1", None, context + list(range(7000, 9000)), Sampling(max_tokens=4))
+    assert not route.prefill and route.decode_replica == "d0" and route.reason == "long_local_prefill"
+    assert route.predicted_cached_tokens == 64_000
 
 
 def test_a_backed_up_prefill_pool_overflows_to_the_decode_replica_holding_the_prefix() -> None:

@@ -103,3 +103,15 @@ def test_a_local_prefill_charges_its_seconds_once_per_sequence_in_the_decode_bat
     assert cost(W, 8000, 1, idle, 4000, idle, 4000).stall_s == pytest.approx(t.stall_s / 4)
     off = msgspec.structs.replace(W, stall=0.0)
     assert cost(off, 8000, 1, d, 4000, d, 4000).stall_s == 0.0
+
+
+def test_a_long_local_prefill_weighs_its_batchs_wait_with_its_own_weight() -> None:
+    d = view("d", "decode", active=3)
+    short = cost(W, 8000, 1, d, 4000, d, 4000).stall_s
+    long = cost(W, 8000, 1, d, 4000, d, 4000, long_stall=True)
+    assert long.stall_s == pytest.approx(W.long_stall * T.prefill_s(4000, 4000) * 4)
+    assert long.stall_s == pytest.approx(short * W.long_stall / W.stall)
+    assert long.total == pytest.approx(long.prefill_s + long.queue_s + long.decode_s + long.stall_s)
+    # Only a local prefill stalls a decode batch.
+    p = view("p")
+    assert cost(W, 8000, 1, p, 4000, d, 4000, long_stall=True).stall_s == 0.0

@@ -67,7 +67,7 @@ def test_transfer_term_prefers_a_prefill_replica_on_the_decode_node() -> None:
 @pytest.mark.parametrize("held_blocks, local", [(256 - 32, True), (256 - 33, False)])
 def test_local_prefill_threshold_edges(held_blocks: int, local: bool) -> None:
     # Threshold 512 tokens = 32 blocks; with all 256 blocks of a 4096-token prompt held, 16 tokens remain.
-    pol = PdservePolicy(PdservePolicyConfig(local_prefill_max_tokens=512))
+    pol = PdservePolicy(PdservePolicyConfig(local_prefill_max_tokens=512, long_local_prefill=False))
     d = choose([view("p0")], [view("d0", "decode")], {"d0": held_blocks}, policy=pol)
     assert d.local_prefill is local
     if local:
@@ -81,20 +81,38 @@ def test_local_prefill_threshold_edges(held_blocks: int, local: bool) -> None:
 
 
 def test_local_prefill_disabled_with_zero_threshold_except_fully_cached() -> None:
-    pol = PdservePolicy(PdservePolicyConfig(local_prefill_max_tokens=0))
+    pol = PdservePolicy(PdservePolicyConfig(local_prefill_max_tokens=0, long_local_prefill=False))
     assert not choose([view("p0")], [view("d0", "decode")], {"d0": 200}, policy=pol).local_prefill
 
 
-def test_prefill_overflow_lets_decode_prefill_past_the_threshold_when_every_prefill_queue_is_long() -> None:
-    # d0 holds 48k of a 64k prompt: 16k tokens is far above the local threshold. With every prefill replica
-    # at least `prefill_overflow_queue_s` behind, d0 computes them itself (~2 s) instead of a prefill replica
-    # computing all 64k (~5 s) after its queue.
+def test_a_decode_replica_holding_a_long_context_prefills_a_long_suffix_when_the_hop_costs_more() -> None:
+    # d0 holds 126k of a 128k-token session context; the prefill replica holds none of it. Recomputing it all
+    # there costs ~20 s; d0 computes the 2k new tokens over its cached context in well under a second, which
+    # its idle batch's wait (x `long_stall`) does not outweigh.
+    n, held = 128 * 1024, {"d0": (128 * 1024 - 2048) // BS}
+    d = choose([view("p0")], [view("d0", "decode")], held, n=n)
+    assert d.local_prefill and d.prefill is None and d.decode == "d0" and d.reason == "long_local_prefill"
+    # The prefill replica holding the context too: the hop costs the same prefill and no batch waits.
+    assert choose([view("p0")], [view("d0", "decode")], {**held, "p0": held["d0"]}, n=n).prefill == "p0"
+    # A busy batch: 30 sequences would each wait the prefill; the hop is cheaper.
+    busy = [view("d0", "decode", active=30)]
+    assert choose([view("p0")], busy, held, n=n).prefill == "p0"
+    # Off: past the threshold only the hop (outside prefill overflow).
+    off = PdservePolicy(PdservePolicyConfig(long_local_prefill=False))
+    assert choose([view("p0")], [view("d0", "decode")], held, n=n, policy=off).prefill == "p0"
+
+
+def test_prefill_overflow_charges_a_long_local_prefill_as_a_short_one() -> None:
+    # d0 holds 48k of a 64k prompt: 16k tokens is far above the local threshold, and d0's ~2 s prefill
+    # weighted `long_stall` costs more than a prefill replica computing all 64k (~5 s) after a 12 s queue.
+    # With every prefill replica at least `prefill_overflow_queue_s` behind, the stall is weighted `stall`:
+    # d0 computes the suffix itself.
     n, decs, held = 64_000, [view("d0", "decode")], {"d0": 3000}
     backed_up = [queued(view("p0"), 12.0), queued(view("p1"), 15.0)]
     d = choose(backed_up, decs, held, n=n)
     assert d.local_prefill and d.prefill is None and d.reason == "prefill_overflow"
     assert d.predicted_cached_tokens == 3000 * BS
-    # One prefill replica below the threshold: the prompt goes there, as without overflow.
+    # One prefill replica below the threshold: the prompt goes there.
     one_free = [queued(view("p0"), 12.0), queued(view("p1"), 9.0)]
     assert choose(one_free, decs, held, n=n).prefill == "p1"
     off = PdservePolicy(PdservePolicyConfig(prefill_overflow_queue_s=None))
@@ -265,10 +283,12 @@ def test_the_pair_search_finds_the_cost_formulas_optimum() -> None:
     n = 8192
     for _ in range(200):
         overflow = rng.choice([None, 1.0])  # prefill queues are drawn from 0-2 s: sometimes all above 1 s
+        long_local = rng.random() < 0.5
         cfg = PdservePolicyConfig(
             tie_tolerance_s=0.0,
             tie_tolerance_rel=0.0,
             session_affinity=False,
+            long_local_prefill=long_local,
             prefill_overflow_queue_s=overflow,
         )
         pres = [
@@ -286,10 +306,10 @@ def test_the_pair_search_finds_the_cost_formulas_optimum() -> None:
         options: list[tuple[float, str | None, str]] = []
         for d in decs:
             within = n - c[d.replica_id] <= cfg.local_prefill_max_tokens
-            if within or backed_up:
-                options.append(
-                    (cost(w, n, 64, d, c[d.replica_id], d, c[d.replica_id]).total, None, d.replica_id)
-                )
+            if within or backed_up or long_local:
+                long = not (within or backed_up)
+                t = cost(w, n, 64, d, c[d.replica_id], d, c[d.replica_id], long_stall=long).total
+                options.append((t, None, d.replica_id))
             if not within:
                 for p in pres:
                     t = cost(w, n, 64, p, c[p.replica_id], d, c[d.replica_id]).total
