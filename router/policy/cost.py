@@ -37,15 +37,15 @@ weight is 5: a miss is charged five times its own seconds. Chosen by a sweep on 
 on Mooncake 0.64 / 0.73 / 0.75 / 0.80 with TTFT P99 flat to weight 10); it is a tuning knob, not a
 measurement. `stall` 1 charges each waiting sequence the whole prefill, as the replay models it (vLLM's
 chunked prefill interleaves decode steps with it, so this overstates the wait). `long_stall` 20 was chosen on
-the replay (Claude Code, readback off, concurrency 64, seeds 0-4, long local prefill weighted by it at every
-queue length): weight 1 / 5 / 10 / 20 gave hit/bound 0.997 / 0.994-0.996 / 0.992-0.993 / 0.989-0.990, TTFT P99
-18-20 / 24-33 / 28-45 / 42-66 s and decode TPOT P99 42-52 / 24-32 / 20-26 / 18-20 ms (no long local prefill:
-0.961-0.975, 56-123 s, 18-28 ms). 20 keeps TPOT where disaggregation puts it; lighter weights buy TTFT with
-decode latency. With prefill overflow back at `stall` (the default) 20 gives 0.988-0.990, 26-35 s, 20-22 ms.
-`kv_full_s` is a judgement, not a measurement: a decode replica at full KV preempts and recomputes sequences;
-2 s is the recompute of a ~40k-token context on the default model. Decoding's slowdown of the sequences
-already on D is not charged (it is small against the terms above: one more sequence adds ~1 ms to a ~25 ms
-step).
+the replay (Claude Code, readback off, concurrency 64, seeds 0-4, long local prefill offered at every queue
+length, one weight for every local prefill's stall): weight 1 / 5 / 10 / 20 gave hit/bound 0.997-0.998 /
+0.994-0.996 / 0.992-0.993 / 0.988-0.990, TTFT P99 18-21 / 24-33 / 28-45 / 44-64 s and decode TPOT P99 42-52 /
+24-32 / 20-26 / 18-19 ms (no long local prefill: 0.961-0.975, 56-123 s, 18-28 ms). 20 keeps TPOT where
+disaggregation puts it; lighter weights buy TTFT with decode latency. As configured by default (short local
+prefills and prefill overflow at `stall`) 20 gives 0.988-0.990, 26-35 s, 20-22 ms. `kv_full_s` is a judgement,
+not a measurement: a decode replica at full KV preempts and recomputes sequences; 2 s is the recompute of a
+~40k-token context on the default model. Decoding's slowdown of the sequences already on D is not charged (it
+is small against the terms above: one more sequence adds ~1 ms to a ~25 ms step).
 """
 
 from __future__ import annotations
