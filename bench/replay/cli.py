@@ -166,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
             args.trace, args.traces_dir, block_tokens=args.block_tokens, limit=limit, seed=args.seed
         )
     except FileNotFoundError as e:
-        parser.error(f"argument --traces-dir: {e.strerror}: {e.filename}")
+        # A missing file (OS error: errno text and path) or a trace folder without sessions (the message).
+        parser.error(f"argument --traces-dir: {f'{e.strerror}: {e.filename}' if e.filename else e}")
     unique = trace.unique_blocks()
     capacity = max(1, int(args.cache_frac * unique))
     bound = infinite_cache_hit_ratio(trace)

@@ -390,11 +390,10 @@ class PdservePolicy:
             reason = "disaggregated"
         elif not pres:
             reason = "no_prefill_replica"
+        elif n - comp_cached <= local_max:
+            reason = "local_prefill"
         else:
-            if n - comp_cached <= local_max:
-                reason = "local_prefill"
-            else:
-                reason = "prefill_overflow" if overflow else "long_local_prefill"
+            reason = "prefill_overflow" if overflow else "long_local_prefill"
         pulled = comp_cached - cached(comp.replica_id)
         return Decision(
             prefill=None if local else comp.replica_id,

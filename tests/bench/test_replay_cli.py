@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from bench.replay.cli import main
@@ -25,6 +27,17 @@ def test_a_threshold_and_no_overflow_together_are_refused(capsys: pytest.Capture
         main([*SMALL, "--prefill-overflow-queue-s", "5", "--no-prefill-overflow"])
     assert exit_.value.code == 2
     assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_a_trace_folder_without_sessions_is_refused_with_what_is_missing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "claude-code" / "sessions").mkdir(parents=True)
+    with pytest.raises(SystemExit) as exit_:
+        main(["--trace", "claude-code", "--traces-dir", str(tmp_path), "--concurrency", "4"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument --traces-dir: no *.json.gz sessions in {tmp_path}/claude-code/sessions" in err
 
 
 @pytest.mark.parametrize(
