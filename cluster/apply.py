@@ -36,6 +36,8 @@ _RESTART_FIELDS = {
     "router.overload_queue_tokens",
     "router.balance_weight",
     "router.churn_weight",
+    "router.prefill_weight",
+    "router.long_stall_weight",
     "router.long_local_prefill",
     "router.prefill_overflow_queue_s",
     "router.kv_readback_ttl_s",

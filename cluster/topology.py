@@ -214,6 +214,12 @@ class Router(_Config, frozen=True, kw_only=True):
     # computed (cache churn) above the pool's mean. PdservePolicyConfig's defaults (a test keeps them equal).
     balance_weight: NonNegativeFloat = 0.2
     churn_weight: NonNegativeFloat = 0.5
+    # Cost weights (router/policy/cost.py): a cache miss is charged prefill_weight x its own prefill seconds
+    # (higher: more hits, less balance), a long local prefill long_stall_weight x its batch's wait (lower:
+    # more hits and lower TTFT, higher decode TPOT). Replay your traffic to choose them (`pdserve replay
+    # --prefill-weight/--long-stall-weight`). CostWeights' defaults (a test keeps them equal).
+    prefill_weight: NonNegativeFloat = 5.0
+    long_stall_weight: NonNegativeFloat = 20.0
     # Long local prefill: a decode replica holding most of a prompt's context may prefill a suffix longer than
     # local_prefill_max_tokens itself when that costs less than the prefill hop, charged heavily for stalling
     # its batch (router/policy/selector.py). Prefill overflow: when every prefill replica has at least this

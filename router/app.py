@@ -15,13 +15,14 @@ from pathlib import Path
 
 from ray import serve
 
-from cluster.topology import Topology
+from cluster.topology import Router, Topology
 from engine.messages import ReplicaInfo
 from router.api import pdserve_pb2 as pb
 from router.chat_encoder import SessionChatEncoder
 from router.cluster_view import ClusterView
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator
+from router.policy.cost import CostWeights
 from router.policy.selector import PdservePolicy, PdservePolicyConfig
 from router.readback import ReadbackTable
 from router.routing import RequestRouter
@@ -30,6 +31,19 @@ from router.tokenizer import PromptTokenizer
 from router.validation import ModelLimits
 
 log = logging.getLogger(__name__)
+
+
+def policy_config(router: Router) -> PdservePolicyConfig:
+    """The routing policy a topology's router section asks for."""
+    return PdservePolicyConfig(
+        local_prefill_max_tokens=router.local_prefill_max_tokens,
+        session_affinity=router.session_affinity,
+        balance_weight=router.balance_weight,
+        churn_weight=router.churn_weight,
+        weights=CostWeights(prefill=router.prefill_weight, long_stall=router.long_stall_weight),
+        long_local_prefill=router.long_local_prefill,
+        prefill_overflow_queue_s=router.prefill_overflow_queue_s,
+    )
 
 
 class RouterProcess:
@@ -42,16 +56,7 @@ class RouterProcess:
         prefill = serve.get_deployment_handle("prefill", app_name) if has_prefill else None
         decode = serve.get_deployment_handle("decode", app_name)
         self._registry = serve.get_deployment_handle("registry", app_name)
-        self.policy = PdservePolicy(
-            PdservePolicyConfig(
-                local_prefill_max_tokens=topo.router.local_prefill_max_tokens,
-                session_affinity=topo.router.session_affinity,
-                balance_weight=topo.router.balance_weight,
-                churn_weight=topo.router.churn_weight,
-                long_local_prefill=topo.router.long_local_prefill,
-                prefill_overflow_queue_s=topo.router.prefill_overflow_queue_s,
-            )
-        )
+        self.policy = PdservePolicy(policy_config(topo.router))
         self.view = ClusterView(
             self._registry, block_size=topo.model.block_size, timing=self.policy.config.weights.timing
         )

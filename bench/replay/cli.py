@@ -122,6 +122,20 @@ def build_parser() -> argparse.ArgumentParser:
         "router.prefill_overflow_queue_s: null)",
     )
     p.add_argument(
+        "--prefill-weight",
+        type=_NON_NEGATIVE,
+        default=None,
+        help="pdserve's router.prefill_weight (default: the policy's, 5): a cache miss is charged this many "
+        "times its own prefill seconds (higher: more hits, less balance)",
+    )
+    p.add_argument(
+        "--long-stall-weight",
+        type=_NON_NEGATIVE,
+        default=None,
+        help="pdserve's router.long_stall_weight (default: the policy's, 20): a long local prefill is "
+        "charged this many times its decode batch's wait (lower: more hits, higher decode TPOT)",
+    )
+    p.add_argument(
         "--readback-ttl-s",
         type=_POSITIVE,
         default=None,
@@ -156,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
         overrides["prefill_overflow_queue_s"] = None
     if args.no_long_local_prefill:
         overrides["long_local_prefill"] = False
+    weights = {"prefill": args.prefill_weight, "long_stall": args.long_stall_weight}
+    if any(v is not None for v in weights.values()):
+        overrides["weights"] = {k: v for k, v in weights.items() if v is not None}
     try:
         policies = select(args.policies, overrides)
     except ValueError as e:

@@ -34,10 +34,17 @@ choice gives up a cached prefix whenever its holder's queue is longer than the m
 the replica for everything queued after it and evicts other sessions' prefixes (future misses), so the prefill
 weight is 5: a miss is charged five times its own seconds. Chosen by a sweep on the trace replay (weight 1 / 3
 / 5 / 10 on Claude Code at ~50% utilisation: hit/bound 0.94 / 0.97 / 0.98 / 0.99, with max/mean load rising;
-on Mooncake 0.64 / 0.73 / 0.75 / 0.80 with TTFT P99 flat to weight 10); it is a tuning knob, not a
-measurement. `stall` 1 charges each waiting sequence the whole prefill, as the replay models it (vLLM's
-chunked prefill interleaves decode steps with it, so this overstates the wait). `long_stall` 20 was chosen on
-the replay (Claude Code, readback off, concurrency 64, seeds 0-4, long local prefill offered at every queue
+on Mooncake 0.64 / 0.73 / 0.75 / 0.80 with TTFT P99 flat to weight 10); it is a tuning knob, not a measurement
+(topology `router.prefill_weight`). Re-swept with long local prefill (readback off): on Mooncake (time scale
+2.5 / 2.947 / 3.4, prefill utilisation 0.48-0.67) weight 5 / 20 / 40 gives hit/bound 0.796-0.818 / 0.846-0.856
+/ 0.861-0.873, TTFT P99 7.26-7.52 / 7.40-7.71 / 7.62-8.87 s (dynamo_kv 7.61-8.46 s, sglang_launcher 0.865 at
+14-15 s); on Claude Code (concurrency 64 and 72, seeds 0-4) 5 / 20 / 40 gives 0.979-0.990 / 0.995-0.997 /
+0.996-0.998, but max/mean prefill tokens up to 1.13 / 1.18 / 1.18 and decode TPOT P99 up to 31 / 32 / 37 ms.
+20 keeps Mooncake's TTFT P99 below every baseline's at all three loads, 40 does not. 5 stays the default: long
+agent contexts already make a miss costly, and more weight there only costs balance. `stall` 1 charges each
+waiting sequence the whole prefill, as the replay models it (vLLM's chunked prefill interleaves decode steps
+with it, so this overstates the wait). `long_stall` 20 (topology `router.long_stall_weight`) was chosen on the
+replay (Claude Code, readback off, concurrency 64, seeds 0-4, long local prefill offered at every queue
 length, one weight for every local prefill's stall): weight 1 / 5 / 10 / 20 gave hit/bound 0.997-0.998 /
 0.994-0.996 / 0.992-0.993 / 0.988-0.990, TTFT P99 18-21 / 24-33 / 28-45 / 44-64 s and decode TPOT P99 42-52 /
 24-32 / 20-26 / 18-19 ms (no long local prefill: 0.961-0.975, 56-123 s, 18-28 ms). 20 keeps TPOT where

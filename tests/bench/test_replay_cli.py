@@ -22,6 +22,15 @@ def test_the_local_prefill_settings_reach_pdserve_and_the_report(capsys: pytest.
     assert "long local prefill off, prefill overflow at 10 s queued" in capsys.readouterr().out
 
 
+def test_the_cost_weights_reach_pdserve_and_the_report(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*SMALL, "--prefill-weight", "20", "--long-stall-weight", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "prefill weight 20, balance 0.2" in out and "long local prefill stall x5," in out
+    assert main([*SMALL, "--long-stall-weight", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "prefill weight 5, balance 0.2" in out and "long local prefill stall x1," in out
+
+
 def test_a_threshold_and_no_overflow_together_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_:
         main([*SMALL, "--prefill-overflow-queue-s", "5", "--no-prefill-overflow"])
@@ -48,6 +57,7 @@ def test_a_trace_folder_without_sessions_is_refused_with_what_is_missing(
         (["--time-scale", "0"], "argument --time-scale: must be > 0, got 0"),
         (["--requests", "0"], "argument --requests: must be >= 1, got 0"),
         (["--local-prefill-max-tokens", "-5"], "argument --local-prefill-max-tokens: must be >= 0, got -5"),
+        (["--prefill-weight", "-1"], "argument --prefill-weight: must be >= 0, got -1"),
         (["--readback-ttl-s", "ten"], "argument --readback-ttl-s: expected float, got 'ten'"),
         (["--policies", "pdserve,sglang"], "argument --policies: unknown policies ['sglang']; known: ["),
         (["--traces-dir", "/nonexistent"], "argument --traces-dir: No such file or directory: /nonexistent/"),

@@ -84,14 +84,18 @@ def test_defaults_are_the_local_cpu_cluster() -> None:
     assert topo.ray.address is None
 
 
-def test_router_balance_and_local_prefill_defaults_are_the_policys() -> None:
+def test_router_policy_defaults_are_the_policys() -> None:
     router, policy = Topology().router, PdservePolicyConfig()
     assert (router.balance_weight, router.churn_weight) == (policy.balance_weight, policy.churn_weight)
+    assert (router.prefill_weight, router.long_stall_weight) == (
+        policy.weights.prefill,
+        policy.weights.long_stall,
+    )
     assert router.long_local_prefill == policy.long_local_prefill
     assert router.prefill_overflow_queue_s == policy.prefill_overflow_queue_s
     text = (
         "router: {balance_weight: 0.1, churn_weight: 0, long_local_prefill: false, "
-        "prefill_overflow_queue_s: null}"
+        "prefill_overflow_queue_s: null, prefill_weight: 20, long_stall_weight: 5}"
     )
     cfg = parse_topology(text).router
     assert (cfg.balance_weight, cfg.churn_weight, cfg.long_local_prefill, cfg.prefill_overflow_queue_s) == (
@@ -100,6 +104,7 @@ def test_router_balance_and_local_prefill_defaults_are_the_policys() -> None:
         False,
         None,
     )
+    assert (cfg.prefill_weight, cfg.long_stall_weight) == (20.0, 5.0)
 
 
 def test_empty_document_gives_the_defaults() -> None:
