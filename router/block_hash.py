@@ -65,6 +65,13 @@ def _shares_int_objects(a: list[int], b: list[int]) -> bool:
     return True
 
 
+def _equal_blocks_from(prev: list[int], token_ids: list[int], start: int, stop: int, bs: int) -> int:
+    """The first block index in start..stop whose tokens differ between the two lists (stop if none)."""
+    while start < stop and token_ids[start * bs : (start + 1) * bs] == prev[start * bs : (start + 1) * bs]:
+        start += 1
+    return start
+
+
 class _SessionEntry:
     __slots__ = ("digest", "hashes", "n_full", "shares_objects", "tokens")
 
@@ -135,8 +142,11 @@ class SessionHasher:
         if entry is None:
             reuse, shared = 0, False
         elif reuse_hint is not None and reuse_hint.base is entry.tokens:
-            # The builder copied these ids from the previous prompt: exact without a comparison.
+            # The builder copied these ids from the previous prompt: exact without a comparison. It
+            # re-encodes the last few, so the blocks they fall in are compared rather than re-hashed: the
+            # session's list is then extended in place instead of copied (a 128k context's is 8k hashes).
             reuse, shared = min(reuse_hint.tokens, entry.n_full, n_full) // bs, True
+            reuse = _equal_blocks_from(entry.tokens, token_ids, reuse, min(entry.n_full, n_full) // bs, bs)
         else:
             reuse, shared = self._reusable_blocks(entry, token_ids, n_full)
         if reuse:

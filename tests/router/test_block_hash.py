@@ -112,6 +112,16 @@ def test_a_reuse_hint_from_the_prompts_builder_replaces_the_comparison() -> None
     # Built from turn 1's list: its first 990 ids copied, the rest (re-encoded) new objects.
     turn2 = turn1[:990] + [int(str(t)) for t in turn1[990:]] + _tokens(300, seed=1)
     assert h.hash("s", turn2, PromptReuse(turn1, 990)) == hash_blocks(turn2, 16)
+    # The block the re-encoded ids fall in is compared, not re-hashed: only the new blocks are hashed.
+    assert (h.reused_blocks, h.hashed_blocks) == (1000 // 16, 1300 // 16)  # turn 1's blocks, then the new
+
+
+def test_ids_re_encoded_differently_after_the_reuse_hint_are_hashed_anew() -> None:
+    h = SessionHasher(block_size=16)
+    turn1 = _tokens(1000)
+    h.hash("s", turn1)
+    turn2 = turn1[:990] + [t + 1 for t in turn1[990:]] + _tokens(300, seed=1)
+    assert h.hash("s", turn2, PromptReuse(turn1, 990)) == hash_blocks(turn2, 16)
     assert h.reused_blocks == 990 // 16
 
 
