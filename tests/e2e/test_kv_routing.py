@@ -87,6 +87,12 @@ def test_next_turn_goes_to_the_decode_replica_holding_the_session_and_skips_pref
     prompt_blocks = first.usage.prompt_tokens // BLOCK
     assert prompt_blocks >= 10
     time.sleep(1.0)  # the agent's tool call; the engines' KV events reach the router meanwhile
+    cache_metrics = (
+        "pdserve_cached_tokens_total",
+        "pdserve_predicted_cached_tokens_total",
+        "pdserve_cache_prediction_error_tokens_count",
+    )
+    before = [metric(cluster, name) for name in cache_metrics]
 
     second = client.generate_text(
         messages=conversation(2), session_id="agent-1", max_tokens=8, temperature=0.0
@@ -106,6 +112,13 @@ def test_next_turn_goes_to_the_decode_replica_holding_the_session_and_skips_pref
     assert second.usage.cached_tokens >= (prompt_blocks - 1) * BLOCK
     assert second.usage.predicted_cached_tokens >= (prompt_blocks - 1) * BLOCK
     assert abs(second.usage.predicted_cached_tokens - second.usage.cached_tokens) <= BLOCK
+    # Both are exported per request, so drift between the router's index and the engine shows on /metrics.
+    after = [metric(cluster, name) for name in cache_metrics]
+    assert [a - b for a, b in zip(after, before, strict=True)] == [
+        second.usage.cached_tokens,
+        second.usage.predicted_cached_tokens,
+        1,
+    ]
 
 
 def test_every_turn_of_a_session_stays_on_one_decode_replica(client: PdserveClient) -> None:
