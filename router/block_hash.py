@@ -204,6 +204,4 @@ class SessionHasher:
         start = 0
         while start + chunk <= n_prev and token_ids[start : start + chunk] == prev[start : start + chunk]:
             start += chunk
-        while start + bs <= n_prev and token_ids[start : start + bs] == prev[start : start + bs]:
-            start += bs
-        return start // bs, False
+        return _equal_blocks_from(prev, token_ids, start // bs, n_prev // bs, bs), False

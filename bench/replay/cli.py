@@ -171,8 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_long_local_prefill:
         overrides["long_local_prefill"] = False
     weights = {"prefill": args.prefill_weight, "long_stall": args.long_stall_weight}
-    if any(v is not None for v in weights.values()):
-        overrides["weights"] = {k: v for k, v in weights.items() if v is not None}
+    if weights := {k: v for k, v in weights.items() if v is not None}:
+        overrides["weights"] = weights
     try:
         policies = select(args.policies, overrides)
     except ValueError as e:
