@@ -1,12 +1,12 @@
 """KV event decoding against vLLM's own encoder, and the subscriber against a real vLLM ZmqEventPublisher."""
 
 import asyncio
-import socket
 from collections.abc import Callable
 
 import msgspec
 import pytest
 import zmq
+from ports import free_port
 from vllm.distributed import kv_events as vllm_ev
 
 from router.block_hash import hash_blocks
@@ -152,12 +152,6 @@ def test_sequence_tracker_verdicts() -> None:
 # ---- subscriber against vLLM's real publisher --------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 async def _wait_for(cond: Callable[[], bool], within_s: float = 15.0) -> None:
     loop = asyncio.get_running_loop()
     end = loop.time() + within_s
@@ -216,7 +210,7 @@ async def _subscribed(
 
 
 async def test_subscriber_replays_missed_batches_and_handles_restart() -> None:
-    port, rport = _free_port(), _free_port()
+    port, rport = free_port(), free_port()
     index = KvIndex(BS)
     pub = _publisher(port, rport)
     try:
@@ -255,7 +249,7 @@ async def test_subscriber_replays_missed_batches_and_handles_restart() -> None:
 
 
 async def test_subscriber_clears_replica_when_replay_buffer_lost_the_range() -> None:
-    port, rport = _free_port(), _free_port()
+    port, rport = free_port(), free_port()
     index = KvIndex(BS)
     pub = _publisher(port, rport, buffer_steps=1)
     try:
@@ -275,7 +269,7 @@ async def test_subscriber_clears_replica_when_replay_buffer_lost_the_range() -> 
 
 
 async def test_subscriber_without_replay_endpoint_clears_on_gap() -> None:
-    port, rport = _free_port(), _free_port()
+    port, rport = free_port(), free_port()
     index = KvIndex(BS)
     index.apply_stored(
         "r0", [77], None, list(range(BS))
