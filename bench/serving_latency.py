@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -26,22 +25,17 @@ from typing import Any
 import yaml
 
 from cluster.cli import READY_LINE
+from engine.host import free_ports
 
 REPO = Path(__file__).resolve().parents[1]
 PDSERVE = str(Path(sys.executable).with_name("pdserve"))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _topology(base: Path, out: Path, *, disaggregated: bool) -> dict[str, Any]:
     topo = yaml.safe_load(base.read_text())
-    topo["server"]["grpc_port"] = _free_port()
-    topo["server"]["metrics_port"] = _free_port()
-    topo["ray"]["dashboard_port"] = _free_port()
+    grpc, metrics, dashboard = free_ports(3)  # distinct: the topology refuses a port used twice
+    topo["server"]["grpc_port"], topo["server"]["metrics_port"] = grpc, metrics
+    topo["ray"]["dashboard_port"] = dashboard
     if disaggregated:
         # Every request through prefill -> NIXL -> decode (no local-prefill shortcut): this measures the path.
         topo["router"]["local_prefill_max_tokens"] = 0

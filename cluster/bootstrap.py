@@ -74,9 +74,9 @@ def _ray_bin() -> str:
 def start_local_head(topo: Topology) -> tuple[str, str]:
     """`ray start --head` on loopback; returns (gcs address, dashboard url)."""
     cfg = topo.ray
-    from engine.host import free_port
+    from engine.host import free_ports
 
-    port = free_port("127.0.0.1")
+    (port,) = free_ports(1)
     cmd = [
         _ray_bin(),
         "start",

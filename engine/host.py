@@ -42,14 +42,23 @@ _PREFILL_KV_PARAMS: dict[str, Any] = {
 }
 
 
-def free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+def free_ports(n: int) -> list[int]:
+    """`n` distinct TCP ports free on every interface now. All are held until the last is drawn: the kernel
+    may hand a released port out again, and two equal ports would stop the engine (vLLM's publisher binds
+    both of its endpoints, NIXL its side channel). Another process can still take one before vLLM binds it
+    (a small race: Serve restarts the replica)."""
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("0.0.0.0", 0))  # not listening: free on 0.0.0.0 means free on the node's own address
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def _kv_event_endpoints(
-    spec: EngineSpec, replica_id: str, node_ip: str
+    spec: EngineSpec, replica_id: str, node_ip: str, ports: tuple[int, int]
 ) -> tuple[tuple[str, str] | None, str | None, str | None]:
     """(what vLLM's publisher binds: (pub, replay)), and the addresses subscribers connect to.
 
@@ -63,7 +72,7 @@ def _kv_event_endpoints(
         base.mkdir(mode=0o700, exist_ok=True)
         pub, replay = f"ipc://{base}/{replica_id}.pub", f"ipc://{base}/{replica_id}.replay"
         return (pub, replay), pub, replay
-    pub_port, replay_port = free_port("0.0.0.0"), free_port("0.0.0.0")
+    pub_port, replay_port = ports
     return (
         (f"tcp://*:{pub_port}", f"tcp://*:{replay_port}"),
         f"tcp://{node_ip}:{pub_port}",
@@ -80,9 +89,9 @@ class EngineHost:
         self.replica_id = replica_id
         self.node_id = node_id
         self.node_ip = node_ip
-        self.nixl_port = free_port(node_ip)
+        self.nixl_port, pub_port, replay_port = free_ports(3)
         self.kv_events_bind, self.kv_events_endpoint, self.kv_events_replay_endpoint = _kv_event_endpoints(
-            spec, replica_id, node_ip
+            spec, replica_id, node_ip, (pub_port, replay_port)
         )
         self.counters = EngineCounters()
         self._llm: Any = None
