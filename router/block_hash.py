@@ -145,8 +145,9 @@ class SessionHasher:
             # The builder copied these ids from the previous prompt: exact without a comparison. It
             # re-encodes the last few, so the blocks they fall in are compared rather than re-hashed: the
             # session's list is then extended in place instead of copied (a 128k context's is 8k hashes).
-            reuse, shared = min(reuse_hint.tokens, entry.n_full, n_full) // bs, True
-            reuse = _equal_blocks_from(entry.tokens, token_ids, reuse, min(entry.n_full, n_full) // bs, bs)
+            both = min(entry.n_full, n_full) // bs
+            reuse = _equal_blocks_from(entry.tokens, token_ids, min(reuse_hint.tokens // bs, both), both, bs)
+            shared = True
         else:
             reuse, shared = self._reusable_blocks(entry, token_ids, n_full)
         if reuse:

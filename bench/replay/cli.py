@@ -170,8 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         overrides["prefill_overflow_queue_s"] = None
     if args.no_long_local_prefill:
         overrides["long_local_prefill"] = False
-    weights = {"prefill": args.prefill_weight, "long_stall": args.long_stall_weight}
-    if weights := {k: v for k, v in weights.items() if v is not None}:
+    chosen = {"prefill": args.prefill_weight, "long_stall": args.long_stall_weight}
+    if weights := {k: v for k, v in chosen.items() if v is not None}:
         overrides["weights"] = weights
     try:
         policies = select(args.policies, overrides)

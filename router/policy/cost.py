@@ -24,10 +24,10 @@ to a decode replica holding the prompt's context, `PdservePolicyConfig.long_loca
 steps and slows every running sequence for all of them: weighted `long_stall`, so that it is taken when the
 context's recompute elsewhere costs far more than the batch's wait, and kept off busy batches. When the
 prefill pool is backed up (prefill overflow), the queue it would wait in is the alternative: `stall` again.
-With KV readback (`RouteRequest.readback`: the session's previous decode
-replica keeps its KV pinned), "cached on P" is the longer of P's own prefix and the pinned one, and the pull
-of the difference is one more transfer term. The selector (`router.policy.selector`) decides which options
-exist and adds that term; this module only scores them.
+With KV readback (`RouteRequest.readback`: the session's previous decode replica keeps its KV pinned), "cached
+on P" is the longer of P's own prefix and the pinned one, and the pull of the difference is one more transfer
+term. The selector (`router.policy.selector`) decides which options exist and adds that term; this module only
+scores them.
 
 Defaults: with every weight 1 the cost would be the request's own estimated end-to-end seconds. That greedy
 choice gives up a cached prefix whenever its holder's queue is longer than the miss, but a miss also occupies
