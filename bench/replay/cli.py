@@ -23,7 +23,13 @@ from bench.replay.policies import describe_pdserve, pdserve_config, select
 from bench.replay.runner import run_policy, set_load
 from bench.replay.sim import SimConfig
 from bench.replay.timing import DEFAULT_CALIBRATION, model_from_calibration
-from bench.replay.traces import DEFAULT_TRACES_DIR, Trace, infinite_cache_hit_ratio, load_trace
+from bench.replay.traces import (
+    DEFAULT_TRACES_DIR,
+    Trace,
+    infinite_cache_hit_ratio,
+    load_trace,
+    trace_files,
+)
 
 
 class ReplayReport(msgspec.Struct, kw_only=True):
@@ -190,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     bound = infinite_cache_hit_ratio(trace)
     what = "sessions" if trace.closed_loop else "requests"
     slice_desc = f"{len(trace.sessions) if trace.closed_loop else trace.num_requests()} {what}"
+    print(f"data: {trace_files(trace.name, args.traces_dir)}", flush=True)
     print(
         f"trace {trace.name}: {slice_desc}, {trace.num_requests()} requests, "
         f"block {trace.block_tokens} tokens, {unique} unique blocks, capacity {capacity} blocks/replica, "

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from router.policy.service_time import ServiceTimeModel
 
-DEFAULT_CALIBRATION = Path(__file__).resolve().parents[3] / "shared" / "calibration" / "h200_calibration.json"
+DEFAULT_CALIBRATION = Path(__file__).resolve().parents[1] / "data" / "calibration" / "h200_calibration.json"
 
 
 def model_from_calibration(path: Path = DEFAULT_CALIBRATION) -> ServiceTimeModel:

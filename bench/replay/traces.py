@@ -1,4 +1,7 @@
-"""Load the real traces in shared/traces into one model the simulator replays.
+"""Load the real request traces into one model the simulator replays.
+
+The traces ship with the project (`bench/data/traces`, xz-compressed; sources and licences in
+`bench/data/README.md`); `--traces-dir` points at another copy laid out the same way, plain, gzip or xz.
 
 Two sources, two shapes:
 - Mooncake `conversation_trace.jsonl`: one request per line, `timestamp` (ms since the trace start),
@@ -25,12 +28,13 @@ from __future__ import annotations
 
 import gzip
 import json
+import lzma
 import random
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import IO, Literal
 
 import msgspec
 
@@ -38,7 +42,11 @@ from router.block_hash import ROOT_PARENT, hash_blocks
 
 TraceName = Literal["claude-code", "mooncake"]
 
-DEFAULT_TRACES_DIR = Path(__file__).resolve().parents[3] / "shared" / "traces"
+DEFAULT_TRACES_DIR = Path(__file__).resolve().parents[1] / "data" / "traces"
+MOONCAKE_FILE = "mooncake/conversation_trace.jsonl"
+CLAUDE_CODE_SESSIONS = "claude-code/sessions"
+# A trace file may be stored plain or compressed: the loaders take the first of these that exists.
+_COMPRESSIONS = ("", ".xz", ".gz")
 MOONCAKE_BLOCK_TOKENS = 512
 CLAUDE_CODE_BLOCK_TOKENS = 64
 
@@ -129,6 +137,30 @@ class BlockHasher:
         return out
 
 
+def _open_text(path: Path) -> IO[str]:
+    if path.suffix == ".xz":
+        return lzma.open(path, "rt")
+    if path.suffix == ".gz":
+        return gzip.open(path, "rt")
+    return path.open()
+
+
+def find_trace_file(path: Path) -> Path:
+    """`path` as stored: itself, or with a compression suffix. FileNotFoundError names the plain path."""
+    for suffix in _COMPRESSIONS:
+        candidate = path.with_name(path.name + suffix)
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError(2, "No such file or directory", str(path))
+
+
+def trace_files(name: TraceName, traces_dir: Path) -> Path:
+    """The file (Mooncake) or folder of sessions (Claude Code) a trace is read from, for reports."""
+    if name == "mooncake":
+        return find_trace_file(traces_dir / MOONCAKE_FILE)
+    return traces_dir / CLAUDE_CODE_SESSIONS
+
+
 def _group(block_tokens: int, trace_block_tokens: int) -> int:
     if block_tokens <= 0 or block_tokens % trace_block_tokens:
         raise ValueError(
@@ -150,7 +182,7 @@ def load_mooncake(
     """
     hasher = BlockHasher(block_tokens, _group(block_tokens, MOONCAKE_BLOCK_TOKENS))
     sessions: list[Session] = []
-    with path.open() as f:
+    with _open_text(find_trace_file(path)) as f:
         for i, line in enumerate(f):
             if max_requests is not None and i >= max_requests:
                 break
@@ -216,9 +248,14 @@ def load_claude_code(
 ) -> Trace:
     """Claude Code sessions: all, the first `max_sessions` by file name, or (with `seed`) a seeded sample."""
     hasher = BlockHasher(block_tokens, _group(block_tokens, CLAUDE_CODE_BLOCK_TOKENS))
-    files = sorted(sessions_dir.glob("*.json.gz"))
+    by_name: dict[str, Path] = {}
+    for f in sessions_dir.glob("*.json*"):
+        stem = f.name.removesuffix(f.suffix) if f.suffix in (".gz", ".xz") else f.name
+        if stem.endswith(".json"):
+            by_name.setdefault(stem.removesuffix(".json"), f)
+    files = [by_name[k] for k in sorted(by_name)]
     if not files:
-        raise FileNotFoundError(f"no *.json.gz sessions in {sessions_dir}")
+        raise FileNotFoundError(f"no sessions (*.json, *.json.gz, *.json.xz) in {sessions_dir}")
     if max_sessions is not None and max_sessions < len(files):
         files = (
             sorted(random.Random(seed).sample(files, max_sessions))
@@ -227,9 +264,9 @@ def load_claude_code(
         )
     sessions = []
     for f in files:
-        with gzip.open(f, "rt") as fh:
+        with _open_text(f) as fh:
             doc = json.load(fh)
-        s = _session_from_claude_code(doc, f.name.removesuffix(".json.gz"), hasher)
+        s = _session_from_claude_code(doc, f.name.split(".json")[0], hasher)
         if s.requests:
             sessions.append(s)
     return Trace(
@@ -252,12 +289,12 @@ def load_trace(
     """`limit`: sessions (Claude Code) or requests (Mooncake)."""
     if name == "mooncake":
         return load_mooncake(
-            traces_dir / "mooncake" / "conversation_trace.jsonl",
+            traces_dir / MOONCAKE_FILE,
             block_tokens=block_tokens,
             max_requests=limit,
         )
     return load_claude_code(
-        traces_dir / "claude-code" / "sessions", block_tokens=block_tokens, max_sessions=limit, seed=seed
+        traces_dir / CLAUDE_CODE_SESSIONS, block_tokens=block_tokens, max_sessions=limit, seed=seed
     )
 
 

@@ -7,7 +7,7 @@ router does not know (cache state at prefill start, queue contents), not from tw
 
 The modelled replica: one 8x H200 node serving a DeepSeek-V3-class model (671B MoE, 37B active parameters, MLA
 attention, 61 layers, 128 heads), the class DESIGN.md targets. The default per-GPU rates are the measured H200
-numbers of shared/calibration/h200_calibration.json, rounded (`bench.replay.timing.model_from_calibration`
+numbers of bench/data/calibration/h200_calibration.json, rounded (`bench.replay.timing.model_from_calibration`
 reads them from the file):
 
 - Prefill = per-request overhead + linear layers + causal attention, both compute-bound:

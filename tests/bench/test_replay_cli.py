@@ -46,7 +46,8 @@ def test_a_trace_folder_without_sessions_is_refused_with_what_is_missing(
         main(["--trace", "claude-code", "--traces-dir", str(tmp_path), "--concurrency", "4"])
     assert exit_.value.code == 2
     err = capsys.readouterr().err
-    assert f"argument --traces-dir: no *.json.gz sessions in {tmp_path}/claude-code/sessions" in err
+    wanted = f"no sessions (*.json, *.json.gz, *.json.xz) in {tmp_path}/claude-code/sessions"
+    assert f"argument --traces-dir: {wanted}" in err
 
 
 @pytest.mark.parametrize(

@@ -1,9 +1,12 @@
-"""Trace loaders on a few real rows of shared/traces."""
+"""Trace loaders on a few real rows of the traces the project ships (bench/data/traces)."""
 
 from __future__ import annotations
 
 import gzip
 import json
+import lzma
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -23,7 +26,7 @@ SESSIONS = DEFAULT_TRACES_DIR / "claude-code" / "sessions"
 
 def test_mooncake_rows_become_open_loop_requests_with_full_blocks_only() -> None:
     trace = load_mooncake(MOONCAKE, max_requests=50)
-    with MOONCAKE.open() as f:
+    with lzma.open(MOONCAKE.with_suffix(".jsonl.xz"), "rt") as f:
         rows = [json.loads(next(f)) for _ in range(50)]
     reqs = list(trace.requests())
     assert not trace.closed_loop and len(reqs) == 50
@@ -56,8 +59,8 @@ def test_grouping_trace_blocks_into_larger_blocks_drops_the_partial_group() -> N
 
 
 def test_claude_code_session_replays_turns_with_recorded_gaps_and_skips_subagents() -> None:
-    path = SESSIONS / "trace_0003.json.gz"
-    with gzip.open(path) as f:
+    path = SESSIONS / "trace_0003.json.xz"
+    with lzma.open(path) as f:
         doc = json.load(f)
     parent_rows = [r for r in doc["requests"] if r.get("type") != "subagent"]
     trace = load_claude_code(SESSIONS, block_tokens=CLAUDE_CODE_BLOCK_TOKENS, max_sessions=3)
@@ -90,3 +93,36 @@ def test_seeded_sample_is_reproducible_and_differs_from_the_first_sessions() -> 
 def test_bound_of_agent_sessions_is_high() -> None:
     trace = load_claude_code(SESSIONS, max_sessions=5)
     assert 0.8 < infinite_cache_hit_ratio(trace) < 1.0
+
+
+def test_a_traces_dir_may_hold_plain_gzip_or_xz_files_with_the_same_result(tmp_path: Path) -> None:
+    """`--traces-dir` takes the traces as their sources publish them (plain jsonl, gzip sessions)."""
+    (tmp_path / "mooncake").mkdir()
+    with lzma.open(MOONCAKE.with_suffix(".jsonl.xz"), "rt") as f:
+        head = [next(f) for _ in range(40)]
+    (tmp_path / "mooncake" / "conversation_trace.jsonl").write_text("".join(head))
+    plain = load_mooncake(tmp_path / "mooncake" / "conversation_trace.jsonl")
+    assert plain.sessions == load_mooncake(MOONCAKE, max_requests=40).sessions
+
+    sessions = tmp_path / "claude-code" / "sessions"
+    sessions.mkdir(parents=True)
+    names = ["trace_0001", "trace_0002", "trace_0003"]
+    for i, name in enumerate(names):
+        with lzma.open(SESSIONS / f"{name}.json.xz", "rt") as f:
+            text = f.read()
+        if i == 0:
+            (sessions / f"{name}.json").write_text(text)
+        elif i == 1:
+            with gzip.open(sessions / f"{name}.json.gz", "wt") as out:
+                out.write(text)
+        else:
+            shutil.copy(SESSIONS / f"{name}.json.xz", sessions)
+    mixed = load_claude_code(sessions)
+    assert [s.session_id for s in mixed.sessions] == names
+    assert mixed.sessions == load_claude_code(SESSIONS, max_sessions=3).sessions
+
+
+def test_the_shipped_traces_are_whole() -> None:
+    """The copies in the repository are the full releases, so the published replay numbers reproduce."""
+    assert len(list(SESSIONS.glob("*.json.xz"))) == 300
+    assert load_mooncake(MOONCAKE).num_requests() == 12031
