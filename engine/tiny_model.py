@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -284,10 +285,12 @@ def default_max_model_len() -> int:
     return _MAX_MODEL_LEN
 
 
-def default_cache_dir() -> Path:
-    """$PDSERVE_CACHE_DIR, else ~/.cache/pdserve."""
-    configured = os.environ.get("PDSERVE_CACHE_DIR")
-    return Path(configured) if configured else Path.home() / ".cache" / "pdserve"
+def default_cache_dir(env: Mapping[str, str] | None = None) -> Path:
+    """$PDSERVE_CACHE_DIR, else ~/.cache/pdserve: of this process's environment, or of `env`."""
+    env = os.environ if env is None else env
+    if configured := env.get("PDSERVE_CACHE_DIR"):
+        return Path(configured)
+    return (Path(env["HOME"]) if env.get("HOME") else Path.home()) / ".cache" / "pdserve"
 
 
 def spec_hash() -> str:

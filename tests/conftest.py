@@ -3,8 +3,11 @@
 import os
 import sys
 import tempfile
+from pathlib import Path
 
 import pytest
+
+from cluster.ray_auth import TOKEN_PATH_ENV, ensure_ray_token
 
 # pdserve's clusters run with Ray token auth on (the default of `ray start` in Ray 2.60); a driver must opt in
 # before Ray is imported, since Ray reads the mode once.
@@ -12,6 +15,11 @@ os.environ.setdefault("RAY_AUTH_MODE", "token")
 # Keep the tests' run state and built model apart from a developer's own `pdserve up`.
 os.environ.setdefault("PDSERVE_CACHE_DIR", tempfile.mkdtemp(prefix="pdserve-tests-"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# The Ray clusters the tests start share one token of their own, made as `pdserve up` makes one, so the suite
+# neither needs nor touches a ~/.ray/auth_token (tests/e2e/test_fresh_machine.py runs without any).
+if "RAY_AUTH_TOKEN" not in os.environ and TOKEN_PATH_ENV not in os.environ:
+    os.environ[TOKEN_PATH_ENV] = str(Path(os.environ["PDSERVE_CACHE_DIR"]) / "ray" / "auth_token")
+    ensure_ray_token(create=True)
 
 _EXIT_STATUS = pytest.StashKey[int]()
 

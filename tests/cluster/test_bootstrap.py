@@ -95,3 +95,34 @@ def test_an_exited_but_unreaped_process_counts_as_stopped() -> None:
     child.wait()
     assert not process_alive(child.pid)
     assert process_alive(os.getpid())
+
+
+def test_deploy_progress_names_each_starting_replica_its_age_and_what_it_waits_for() -> None:
+    from cluster.bootstrap import deploy_progress
+
+    now = 1000.0
+    no_gpu = "Resources required for each replica: {'GPU': 8}, total resources available: {}."
+    decode = {
+        "status": "UPDATING",
+        "target_num_replicas": 2,
+        "message": "",
+        "replicas": [
+            {"replica_id": "d1", "state": "RUNNING", "start_time_s": 900.0},
+            {"replica_id": "d2", "state": "STARTING", "start_time_s": 955.0, "node_ip": "10.0.0.7"},
+        ],
+    }
+    prefill = {"status": "UPDATING", "target_num_replicas": 1, "message": no_gpu, "replicas": []}
+    registry = {"status": "HEALTHY", "target_num_replicas": 1, "replicas": [{"state": "RUNNING"}]}
+    details = {
+        "applications": {
+            "pdserve": {"deployments": {"decode": decode, "prefill": prefill, "registry": registry}}
+        }
+    }
+    assert deploy_progress(details, "pdserve", 61.2, now) == (
+        "waiting for replicas (61 s): decode 1/2 running (replica d2 STARTING 45 s on 10.0.0.7: loading the "
+        f"model and starting its vLLM engine); prefill 0/1 running [Serve: {no_gpu}]"
+    )
+    assert "not created" in deploy_progress({"applications": {}}, "pdserve", 3, now)
+    assert "Serve status unavailable (TimeoutError: slow)" in deploy_progress(
+        {"error": "TimeoutError: slow"}, "pdserve", 3, now
+    )

@@ -112,6 +112,39 @@ def test_empty_document_gives_the_defaults() -> None:
     assert parse_topology({}) == Topology()
 
 
+@pytest.mark.parametrize("text", ["", "\n", "# only a comment\n", "null\n"])
+def test_an_empty_file_is_refused(text: str, tmp_path: Path) -> None:
+    """An empty file is a mistake far more often than a wish for every default; `{}` says that."""
+    path = tmp_path / "topology.yaml"
+    path.write_text(text)
+    with pytest.raises(TopologyError) as info:
+        load_topology(path)
+    assert str(info.value) == f"{path}: the file is empty (`{{}}` means every default; see deploy/local.yaml)"
+    path.write_text("{}\n")
+    assert load_topology(path) == Topology()
+
+
+@pytest.mark.parametrize(
+    ("text", "path", "reason"),
+    [
+        (
+            "model: {dtype: bf16}",
+            "model.dtype",
+            "invalid value 'bf16' (allowed: float32, bfloat16, float16, auto)",
+        ),
+        (
+            "pools: {decode: {engine: {kv_load_failure_policy: retry}}}",
+            "pools.decode.engine.kv_load_failure_policy",
+            "invalid value 'retry' (allowed: recompute, fail)",
+        ),
+    ],
+)
+def test_a_value_outside_a_fixed_set_lists_the_allowed_values(text: str, path: str, reason: str) -> None:
+    with pytest.raises(TopologyError) as info:
+        parse_topology(text)
+    assert (info.value.path, info.value.reason) == (path, reason)
+
+
 def test_error_string_names_source_path_and_reason() -> None:
     with pytest.raises(TopologyError) as info:
         parse_topology(
