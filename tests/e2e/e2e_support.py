@@ -40,8 +40,13 @@ def make_topology(tmp_path: Path, **overrides: object) -> Path:
 
 
 class RunningCluster:
-    def __init__(self, topology: Path) -> None:
+    """`pdserve up` in a subprocess. `env` and `cwd`: the environment every `pdserve` command of this cluster
+    runs in (default: the test process's), e.g. an empty HOME and a copy of the repository."""
+
+    def __init__(self, topology: Path, *, env: dict[str, str] | None = None, cwd: Path | None = None) -> None:
         self.topology = topology
+        self.env = dict(os.environ) if env is None else env
+        self.cwd = cwd
         cfg = yaml.safe_load(topology.read_text())
         self.target = f"127.0.0.1:{cfg['server']['grpc_port']}"
         self.metrics_url = f"http://127.0.0.1:{cfg['server']['metrics_port']}/metrics"
@@ -51,7 +56,8 @@ class RunningCluster:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env=dict(os.environ),
+            env=self.env,
+            cwd=cwd,
         )
         self._ready = threading.Event()
         threading.Thread(target=self._read_output, daemon=True).start()
@@ -74,18 +80,24 @@ class RunningCluster:
                 tail = "".join(self.log[-60:])
                 raise RuntimeError(f"pdserve up did not come up (exit {self.proc.poll()}):\n{tail}")
 
+    def cli(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        """A `pdserve` command against this cluster, in the cluster's environment."""
+        return subprocess.run(
+            [PDSERVE, *args], capture_output=True, text=True, timeout=timeout, env=self.env, cwd=self.cwd
+        )
+
     def processes(self) -> list[psutil.Process]:
         """Every process of this cluster: `pdserve up` and its children, and the Ray cluster it started
         (daemons, replica actors, vLLM engine cores and workers), found as `pdserve down` finds them."""
-        state = RunState.load()
-        assert state is not None, "pdserve up wrote no run state"
+        state = RunState.load(self.env)
+        assert state is not None, f"pdserve up wrote no run state at {RunState.path(self.env)}"
         up = psutil.Process(self.proc.pid)
         found = {p.pid: p for p in [up, *up.children(recursive=True), *cluster_processes(state.ray_address)]}
         return list(found.values())
 
     def down(self) -> subprocess.CompletedProcess[str]:
         """`pdserve down`; if that fails, stop `pdserve up` directly so a test never hangs on teardown."""
-        result = subprocess.run([PDSERVE, "down"], capture_output=True, text=True, timeout=300)
+        result = self.cli("down", timeout=300)
         try:
             self.proc.wait(timeout=120)
         except subprocess.TimeoutExpired:
