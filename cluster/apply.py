@@ -42,6 +42,7 @@ _RESTART_FIELDS = {
     "router.prefill_overflow_queue_s",
     "router.kv_readback_ttl_s",
     "router.kv_readback_exports",
+    "router.failover_attempts",
 }
 # Read by `pdserve apply` itself, from the new file: changing them needs no restart.
 _APPLY_ONLY_FIELDS = {"ray.placement_timeout_s"}

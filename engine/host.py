@@ -7,12 +7,13 @@ producer (computes the prompt, keeps its blocks until decode reads them), a deco
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import socket
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from engine.messages import (
     EngineRequest,
     EngineStats,
     PrefillResult,
+    ReplicaFailed,
     ReplicaInfo,
     Sampling,
     TokenBatch,
@@ -95,6 +97,10 @@ class EngineHost:
         )
         self.counters = EngineCounters()
         self._llm: Any = None
+        self._failure: str | None = None
+        self._failed = asyncio.Event()
+        self._inflight = 0
+        self._busy_since = time.monotonic()
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
@@ -132,7 +138,8 @@ class EngineHost:
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.nixl_port),
         }
         if self.spec.device == "cpu":
-            env["VLLM_CPU_OMP_THREADS_BIND"] = self.spec.cpu_threads_bind
+            (bind,) = self.spec.cpu_threads_bind  # the replica chose its entry (engine/replica.py)
+            env["VLLM_CPU_OMP_THREADS_BIND"] = bind
             env["VLLM_CPU_KVCACHE_SPACE"] = str(self.spec.cpu_kv_cache_gib)
             if self.spec.dtype == "bfloat16":
                 env["PDSERVE_CPU_AMX_INIT"] = "1"
@@ -206,9 +213,7 @@ class EngineHost:
         text: list[str] = []
         first_sent = False
         batch_started = time.monotonic()
-        async for out in self._llm.generate(
-            {"prompt_token_ids": req.prompt_token_ids}, params, request_id=req.request_id
-        ):
+        async for out in self._outputs(req, params):
             completion = out.outputs[0]
             if not ids:
                 batch_started = time.monotonic()
@@ -231,7 +236,7 @@ class EngineHost:
             if ids and (
                 not first_sent or len(ids) >= max_batch or time.monotonic() - batch_started >= max_wait
             ):
-                yield TokenBatch(token_ids=ids, text="".join(text))
+                yield TokenBatch(token_ids=ids, text="".join(text), replica_id=self.replica_id)
                 first_sent = True
                 ids, text = [], []
         raise RuntimeError(f"engine stream for {req.request_id} ended without a finished output")
@@ -249,15 +254,66 @@ class EngineHost:
         stop strings make it always finish by length, the case in which vLLM keeps its KV for a transfer."""
         sampling = Sampling(max_tokens=1, temperature=0.0, ignore_eos=True)
         final = None
-        async for out in self._llm.generate(
-            {"prompt_token_ids": req.prompt_token_ids},
-            self._sampling_params(sampling, kv),
-            request_id=req.request_id,
-        ):
+        async for out in self._outputs(req, self._sampling_params(sampling, kv)):
             final = out
         if final is None:
             raise RuntimeError(f"{req.request_id} produced no output")
         return final
+
+    async def _outputs(self, req: EngineRequest, params: Any) -> AsyncGenerator[Any, None]:
+        """vLLM's outputs for one request; an engine that died or hung raises ReplicaFailed, which the router
+        answers by moving the request to another replica."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        if (reason := self.failure()) is not None:
+            raise ReplicaFailed(self.replica_id, reason)
+        if self._inflight == 0:
+            self._busy_since = time.monotonic()
+        self._inflight += 1
+        outputs = self._llm.generate(
+            {"prompt_token_ids": req.prompt_token_ids}, params, request_id=req.request_id
+        ).__aiter__()
+        # A hung engine raises nothing: the request waits on the failure too (see `failure`).
+        failed = asyncio.ensure_future(self._failed.wait())
+        step: asyncio.Future[Any] | None = None
+        try:
+            while True:
+                step = asyncio.ensure_future(anext(outputs))
+                await asyncio.wait((step, failed), return_when=asyncio.FIRST_COMPLETED)
+                if not step.done():
+                    step.cancel()
+                    raise ReplicaFailed(self.replica_id, self.failure() or "its engine failed")
+                try:
+                    out = step.result()
+                except StopAsyncIteration:
+                    return
+                yield out
+        except EngineDeadError:
+            reason = self.failure() or "its vLLM engine core died"
+            log.error("%s engine %s failed: %s", self.spec.role, self.replica_id, reason)
+            raise ReplicaFailed(self.replica_id, reason) from None
+        finally:
+            # Cancelled (the client left) or failed: cancelling vLLM's stream aborts the request there.
+            if step is not None and not step.done():
+                step.cancel()
+            failed.cancel()
+            self._inflight -= 1
+
+    def failure(self) -> str | None:
+        """Why this engine can no longer serve (None while it can): its engine core process died, or it
+        has had requests in flight and reported no step for `spec.hang_timeout_s` (e.g. stopped by a
+        signal). Sticky: a failed engine stays failed until Serve replaces the replica."""
+        if self._failure is None and self._llm is not None:
+            idle_s = time.monotonic() - max(self.counters.last_step_at, self._busy_since)
+            if self._llm.errored:
+                self._failure = "its vLLM engine core died"
+            elif self._inflight and idle_s > self.spec.hang_timeout_s:
+                self._failure = (
+                    f"its engine reported no step for {idle_s:.0f} s with {self._inflight} requests in flight"
+                )
+            if self._failure is not None:
+                self._failed.set()  # requests waiting on a hung engine give up (see `_outputs`)
+        return self._failure
 
     async def abort(self, request_id: str) -> None:
         await self._llm.abort(request_id)
@@ -308,10 +364,13 @@ class EngineHost:
             block_size=self.spec.block_size,
             ready=self._llm is not None,
             draining=draining,
+            failed=self.failure() or "",
             stats=self.stats(),
         )
 
     async def check_health(self) -> None:
         if self._llm is None:
             raise RuntimeError("engine not started")
+        if (reason := self.failure()) is not None:
+            raise RuntimeError(reason)
         await self._llm.check_health()

@@ -73,6 +73,7 @@ class TokenBatch(msgspec.Struct, frozen=True, kw_only=True):
     # Prompt tokens found cached where the prompt was computed, as vLLM reports them: after a KV transfer, the
     # prefill engine's hits (it passes them along with the KV), else this engine's own.
     num_cached_tokens: int = 0
+    # The decode replica streaming (on every batch: a router that loses the stream knows whose it was).
     replica_id: str = ""
     node_id: str = ""
     # KV readback on: where this request's blocks stay pinned for a later prefill to pull (vLLM's params).
@@ -113,5 +114,22 @@ class ReplicaInfo(msgspec.Struct, frozen=True, kw_only=True):
     block_size: int
     ready: bool = True
     draining: bool = False
+    # Why this replica can no longer serve ("" while it can): its engine died or hung, seen by the replica
+    # itself, or a router found it lost. Routers stop routing to it; Serve replaces it.
+    failed: str = ""
     # The engine's counters at the time of publishing (refreshed with every heartbeat).
     stats: EngineStats | None = None
+
+
+class ReplicaFailed(Exception):
+    """Raised by an engine replica whose engine can no longer serve (its engine core died, or it hung). It
+    crosses Ray as the cause of a RayTaskError, which is an instance of this class too; the router moves the
+    request to another replica."""
+
+    def __init__(self, replica_id: str, reason: str) -> None:
+        super().__init__(f"replica {replica_id}: {reason}")
+        self.replica_id = replica_id
+        self.reason = reason
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (ReplicaFailed, (self.replica_id, self.reason))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+import msgspec
 import ray
 from ray import serve
 
@@ -17,6 +18,9 @@ from engine.spec import spec_from_env
 
 log = logging.getLogger(__name__)
 
+# How often a replica looks at its engine's health between heartbeats.
+WATCH_S = 0.25
+
 
 class EngineReplica:
     # Serve awaits async constructors; the replica is routed to only once this returns. The spec comes from
@@ -24,6 +28,17 @@ class EngineReplica:
     async def __init__(self) -> None:  # type: ignore[misc]
         spec = spec_from_env()
         context = serve.get_replica_context()
+        self._registry = serve.get_deployment_handle("registry", context.app_name)
+        if len(spec.cpu_threads_bind) > 1:
+            slot = await self._registry.claim_slot.remote(
+                spec.role, context.replica_id.unique_id, len(spec.cpu_threads_bind)
+            )
+            spec = msgspec.structs.replace(spec, cpu_threads_bind=[spec.cpu_threads_bind[slot]])
+            log.info(
+                "replica %s binds its engine to cores %s",
+                context.replica_id.unique_id,
+                spec.cpu_threads_bind[0],
+            )
         host_class = DoubleEngineHost if spec.engine == "double" else EngineHost
         self.host: EngineHost | DoubleEngineHost = host_class(
             spec,
@@ -34,18 +49,23 @@ class EngineReplica:
         # Blocking on purpose: Serve marks the replica ready only once the constructor returns, so no
         # request is routed to an engine that is still loading.
         self.host.start()
-        self._registry = serve.get_deployment_handle("registry", context.app_name)
         self._heartbeat = asyncio.create_task(self._publish_forever())
 
     async def _publish_forever(self) -> None:
         """Publish this replica's info to the registry, then refresh it: the heartbeat is what tells the
-        registry the replica is still alive."""
+        registry the replica is still alive. An engine failure is published at once (within WATCH_S), so
+        that every router stops routing here before Serve's health check replaces the replica."""
         while True:
             try:
                 await self._registry.publish.remote(self.host.info())
             except Exception as exc:  # the registry restarting must not kill the engine replica
                 log.warning("registry publish failed (will retry): %s", exc)
-            await asyncio.sleep(HEARTBEAT_S)
+            failed_before = self.host.failure() is not None
+            for _ in range(int(HEARTBEAT_S / WATCH_S)):
+                await asyncio.sleep(WATCH_S)
+                if not failed_before and (reason := self.host.failure()) is not None:
+                    log.error("replica %s failed: %s", self.host.replica_id, reason)
+                    break
 
     async def check_health(self) -> None:
         """Called by Serve's controller; raising marks the replica unhealthy and Serve replaces it."""

@@ -37,7 +37,9 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     kv_readback_ttl_s: int = 0
     # CPU engines (gpus == 0): core binding and KV cache size (whole GiB).
     device: Literal["cpu", "cuda"] = "cpu"
-    cpu_threads_bind: str = "auto"
+    # One entry for every replica, or one per replica: a replica takes the least used entry when it starts
+    # (`Registry.claim_slot`), so engines on one machine get cores of their own.
+    cpu_threads_bind: list[str] = msgspec.field(default_factory=lambda: ["auto"])
     cpu_kv_cache_gib: int = 1
     # Address the engine's NIXL side channel and KV-event publisher listen on: loopback for a one-machine
     # cluster; None = the node's IP (multi-node clusters, where other nodes must reach them).
@@ -47,6 +49,9 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     # Token streaming from decode: flush a batch at this many tokens or after this long.
     stream_batch_tokens: int = 16
     stream_batch_ms: float = 20.0
+    # An engine with requests in flight that produces no output for this long is hung: the replica reports
+    # itself failed (routers stop using it, Serve's health check replaces it).
+    hang_timeout_s: float = 30.0
 
 
 ENGINE_SPEC_ENV = "PDSERVE_ENGINE_SPEC"

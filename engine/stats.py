@@ -7,8 +7,9 @@ instead of guessing from the outside.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -23,8 +24,11 @@ class EngineCounters:
     nixl_bytes_transferred: int = 0
     nixl_transfers: int = 0
     requests_finished: int = 0
+    # When the engine last reported a step (monotonic clock): how a hung engine is told from a busy one.
+    last_step_at: float = field(default_factory=time.monotonic)
 
     def record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
+        self.last_step_at = time.monotonic()
         if scheduler_stats is not None:
             self.running = scheduler_stats.num_running_reqs
             self.waiting = scheduler_stats.num_waiting_reqs

@@ -12,7 +12,9 @@ import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+from grpc_health.v1.health_pb2 import HealthCheckResponse
 from ray import serve
 
 from cluster.topology import Router, Topology
@@ -51,6 +53,7 @@ class RouterProcess:
         self.topo = topo
         self.app_name = app_name
         self.metrics = RouterMetrics()
+        self._serving: bool | None = None  # what grpc.health.v1 says now (None: not yet set)
         tokenizer = PromptTokenizer(model_dir)
         has_prefill = topo.pools.prefill.replicas > 0
         prefill = serve.get_deployment_handle("prefill", app_name) if has_prefill else None
@@ -93,7 +96,27 @@ class RouterProcess:
             ),
             metrics=self.metrics,
             cluster_status=self.cluster_status,
+            failover_attempts=topo.router.failover_attempts,
         )
+
+    async def _follow_health(self, health: Any, every_s: float = 0.25) -> None:
+        while True:
+            await asyncio.sleep(every_s)
+            await self._update_health(health)
+
+    async def _update_health(self, health: Any) -> None:
+        """grpc.health.v1 says SERVING while a decode replica can take requests and NOT_SERVING while none
+        can (all failed, draining or starting), so a load balancer in front sends traffic elsewhere."""
+        now = self.view.serving("decode") > 0
+        if now == self._serving:
+            return
+        if self._serving is not None:
+            log.warning("health: %s", "SERVING again" if now else "NOT_SERVING: no decode replica can serve")
+        status = HealthCheckResponse.SERVING if now else HealthCheckResponse.NOT_SERVING
+        for name in ("", pb.DESCRIPTOR.services_by_name["Pdserve"].full_name):
+            await health.set(name, status)
+        self.metrics.serving.set(1 if now else 0)
+        self._serving = now
 
     async def cluster_status(self) -> list[pb.Replica]:
         infos: list[ReplicaInfo] = await self._registry.snapshot.remote()
@@ -113,10 +136,13 @@ class RouterProcess:
             self.service, host=cfg.grpc_host, port=cfg.grpc_port, tls=self._tls, auth_token=self._token
         )
         log.info("gRPC endpoint on %s:%d", cfg.grpc_host, cfg.grpc_port)
+        await self._update_health(health)
+        health_task = asyncio.create_task(self._follow_health(health), name="health")
         on_ready()
         try:
             await stop.wait()
         finally:
+            health_task.cancel()
             await health.enter_graceful_shutdown()
             # In-flight streams get a grace period to finish; new calls are refused meanwhile.
             await server.stop(grace=10.0)
@@ -127,7 +153,13 @@ def _replica_status(info: ReplicaInfo) -> pb.Replica:
     replica = pb.Replica(
         replica_id=info.replica_id,
         role=info.role,
-        state="DRAINING" if info.draining else ("READY" if info.ready else "STARTING"),
+        state="FAILED"
+        if info.failed
+        else "DRAINING"
+        if info.draining
+        else "READY"
+        if info.ready
+        else "STARTING",
         node_id=info.node_id,
     )
     s = info.stats

@@ -33,6 +33,8 @@ class ClusterView:
         self.load = LoadTracker(timing)
         self._known: dict[str, ReplicaInfo] = {}
         self._subscribers: dict[str, asyncio.Task[None]] = {}
+        # Replicas this router saw fail, before the registry says so (replica ids are never reused).
+        self._failed: dict[str, str] = {}
 
     @property
     def replicas(self) -> dict[str, ReplicaInfo]:
@@ -63,11 +65,34 @@ class ClusterView:
         for rid, info in current.items():
             if rid not in self._known:
                 self._add(info)
+            if info.failed and rid not in self._failed:
+                log.warning("replica %s (%s) failed: %s", rid, info.role, info.failed)
+                self._failed[rid] = info.failed
             self._known[rid] = info
-            self.load.set_ready(rid, info.ready)
+            self.load.set_ready(rid, info.ready and rid not in self._failed)
             self.load.set_draining(rid, info.draining)
             if info.stats is not None:
                 self.load.update_kv_usage(rid, info.stats.kv_cache_usage)
+
+    def mark_failed(self, replica_id: str, reason: str) -> None:
+        """Stop routing to a replica now (a call to it failed); the registry tells the other routers."""
+        if replica_id in self._failed:
+            return
+        self._failed[replica_id] = reason
+        if replica_id in self._known:
+            log.warning("replica %s failed: %s", replica_id, reason)
+            self.load.set_ready(replica_id, False)
+            report = self._registry.report_failed.remote(replica_id, reason)
+            # Fire and forget: the registry being away must not fail the request that found the loss.
+            asyncio.ensure_future(report).add_done_callback(_log_report_error)
+
+    def serving(self, role: str) -> int:
+        """Replicas of `role` that can take requests now."""
+        return sum(
+            1
+            for rid, info in self._known.items()
+            if info.role == role and info.ready and not info.draining and rid not in self._failed
+        )
 
     def _add(self, info: ReplicaInfo) -> None:
         log.info("replica %s (%s) joined on node %s", info.replica_id, info.role, info.node_id[:12])
@@ -93,3 +118,8 @@ class ClusterView:
         self.index.remove_replica(replica_id)
         self.load.remove_replica(replica_id)
         del self._known[replica_id]
+
+
+def _log_report_error(done: asyncio.Future[None]) -> None:
+    if not done.cancelled() and done.exception() is not None:
+        log.warning("could not report a failed replica to the registry: %s", done.exception())

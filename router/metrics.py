@@ -21,6 +21,14 @@ class RouterMetrics:
             "pdserve_requests", "Requests by terminal gRPC status code.", ["code"], registry=r
         )
         self.inflight = Gauge("pdserve_requests_inflight", "Requests being served.", registry=r)
+        self.failovers = Counter(
+            "pdserve_failovers",
+            "Requests moved to another replica after theirs failed (the tokens so far kept).",
+            registry=r,
+        )
+        self.serving = Gauge(
+            "pdserve_serving", "1 while at least one decode replica can take requests, else 0.", registry=r
+        )
         self.ttft = Histogram(
             "pdserve_ttft_seconds", "Time to first token.", ["path"], buckets=_LATENCY_BUCKETS_S, registry=r
         )

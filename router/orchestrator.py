@@ -15,6 +15,10 @@
 KV bytes never pass through here: only token ids, text and NIXL's small control parameters.
 Cancellation (client gone, deadline) propagates: the Serve call is cancelled, the replica's coroutine is
 cancelled, and the engine aborts the request.
+
+Failover (`serve`): when a leg's replica dies or its engine fails, the request is routed again with the
+tokens streamed so far appended to its prompt, and goes on from there: the client sees one stream (with
+greedy sampling, the same tokens as without the failure). At most `attempts` such moves.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ from engine.messages import (
     EngineRequest,
     FinishReason,
     PrefillResult,
+    ReplicaFailed,
+    Role,
     Sampling,
     ServingPath,
     TokenBatch,
@@ -48,7 +54,18 @@ REPLICA_LOST = (RayActorError, ActorDiedError, ActorUnavailableError)
 
 
 class NoReplicaError(Exception):
-    """No ready replica could serve a leg of the request."""
+    """No ready replica could serve the request (the message is safe to show a client)."""
+
+
+class LegFailed(Exception):
+    """A leg's replica died or its engine failed; the request can go on elsewhere. `replica_id`: the failed
+    replica when known for sure ("" when Serve may have sent the call elsewhere than hinted)."""
+
+    def __init__(self, role: Role, replica_id: str, reason: str) -> None:
+        super().__init__(f"{role} replica {replica_id or '(unknown)'}: {reason}")
+        self.role = role
+        self.replica_id = replica_id
+        self.reason = reason
 
 
 class Route(msgspec.Struct, frozen=True, kw_only=True):
@@ -114,6 +131,54 @@ class Orchestrator:
         self._block_size = block_size
         self._export_timeout_s = export_timeout_s
         self._order = LegOrder()
+
+    async def serve(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: Sampling,
+        route: Route,
+        *,
+        reroute: Callable[[list[int], Sampling], Route],
+        on_replica_failed: Callable[[str, str], None],
+        attempts: int,
+        on_prefill_done: Callable[[], None] = lambda: None,
+    ) -> AsyncIterator[TokenBatch | Completion]:
+        """`run`, moved to another replica when one fails. `reroute(prompt, sampling)`: the route for the
+        continuation (the router's choice, the failed replica out of it); `on_replica_failed(id, reason)`:
+        told first. The continuation's prompt is the original one plus every token streamed so far, and its
+        max_tokens what is left, so a greedy stream goes on exactly where it stopped."""
+        started = time.monotonic()
+        generated: list[int] = []
+        moves: list[str] = []
+        first_token_ms: float | None = None
+        while True:
+            leg_sampling = msgspec.structs.replace(sampling, max_tokens=sampling.max_tokens - len(generated))
+            leg_id = f"{request_id}.{len(moves)}" if moves else request_id
+            try:
+                async for event in self.run(
+                    leg_id, prompt_token_ids + generated, leg_sampling, route, on_prefill_done
+                ):
+                    if isinstance(event, TokenBatch):
+                        if event.token_ids and first_token_ms is None:
+                            first_token_ms = (time.monotonic() - started) * 1e3
+                        generated += event.token_ids
+                    elif moves:
+                        event = _continued(event, len(prompt_token_ids), generated, moves, started)
+                        event.ttft_ms = first_token_ms or event.ttft_ms
+                    yield event
+                return
+            except LegFailed as exc:
+                if exc.replica_id:
+                    on_replica_failed(exc.replica_id, exc.reason)
+                moves.append(f"{exc} after {len(generated)} tokens")
+                if len(moves) > attempts:
+                    raise NoReplicaError(f"no replica could finish the request: {'; '.join(moves)}") from exc
+                log.warning("request %s: %s; continuing elsewhere", request_id, moves[-1])
+                route = reroute(
+                    prompt_token_ids + generated,
+                    msgspec.structs.replace(sampling, max_tokens=sampling.max_tokens - len(generated)),
+                )
 
     async def run(
         self,
@@ -225,7 +290,7 @@ class Orchestrator:
         response = self._decode.export.remote(req, replica_hint=route.export_replica)
         try:
             pinned = await asyncio.wait_for(response, self._export_timeout_s)
-        except REPLICA_LOST as exc:
+        except (*REPLICA_LOST, ReplicaFailed) as exc:
             log.warning("KV export for %s: decode replica %s lost: %s", request_id, route.export_replica, exc)
             return None, "lost"
         except TimeoutError:
@@ -256,53 +321,54 @@ class Orchestrator:
         )
         handle = self._prefill
         assert handle is not None
-        # One retry when the replica died under us: Serve routes the retry to a live replica.
-        for attempt in (1, 2):
-            hint = replica if attempt == 1 else None
-            response = handle.prefill.remote(req, replica_hint=hint)
-            if ticket is not None:
-                ticket.sent()
-            try:
-                return await response
-            except REPLICA_LOST as exc:
-                if attempt == 2:
-                    raise NoReplicaError(f"prefill replica lost twice: {exc}") from exc
-                log.warning("prefill replica lost for %s, retrying: %s", request_id, exc)
-                # The lost replica may have pulled the pinned prefix, which unpins it: never read it twice.
-                req = msgspec.structs.replace(req, kv_transfer_params=None)
-            except BaseException:
-                response.cancel()
-                raise
-        raise AssertionError("unreachable")
+        response = handle.prefill.remote(req, replica_hint=replica)
+        if ticket is not None:
+            ticket.sent()
+        try:
+            return await response
+        except REPLICA_LOST as exc:
+            # Serve may have sent the call elsewhere than hinted: the lost replica is not known for sure.
+            log.warning("prefill leg of %s: replica lost: %s", request_id, exc)
+            raise LegFailed("prefill", "", "its replica process died") from exc
+        except ReplicaFailed as exc:
+            raise LegFailed("prefill", exc.replica_id, exc.reason) from exc
+        except BaseException:
+            response.cancel()
+            raise
 
     async def _decode_leg(self, req: EngineRequest, route: Route) -> AsyncGenerator[TokenBatch, None]:
-        handle = self._decode
-        sent_any = False
-        for attempt in (1, 2):
-            hint = route.decode_replica if attempt == 1 else None
-            stream = handle.options(stream=True).generate.remote(req, replica_hint=hint)
-            finished = False
-            try:
-                async for batch in stream:
-                    sent_any = sent_any or bool(batch.token_ids)
-                    finished = batch.finish_reason is not None
-                    yield batch
-                return
-            except REPLICA_LOST as exc:
-                # Tokens already streamed cannot be taken back; before the first one, the request can
-                # start over on another decode replica (prefilling locally: the KV handed off to the
-                # lost replica is gone with it).
-                if sent_any or attempt == 2:
-                    raise NoReplicaError(f"decode replica lost mid-stream: {exc}") from exc
-                log.warning(
-                    "decode replica lost before first token for %s, retrying: %s", req.request_id, exc
-                )
-                req = msgspec.structs.replace(req, kv_transfer_params=None)
-            finally:
-                if not finished:
-                    stream.cancel()
+        stream = self._decode.options(stream=True).generate.remote(req, replica_hint=route.decode_replica)
+        streaming_from = ""  # every batch names its replica: once one came, the loss is known for sure
+        finished = False
+        try:
+            async for batch in stream:
+                streaming_from = batch.replica_id or streaming_from
+                finished = batch.finish_reason is not None
+                yield batch
+        except REPLICA_LOST as exc:
+            log.warning("decode leg of %s: replica lost: %s", req.request_id, exc)
+            raise LegFailed("decode", streaming_from, "its replica process died") from exc
+        except ReplicaFailed as exc:
+            raise LegFailed("decode", exc.replica_id, exc.reason) from exc
+        finally:
+            if not finished:
+                stream.cancel()
 
     def _handed_off_tokens(self, kv_params: dict[str, Any] | None, prompt_len: int) -> int:
         """Prompt tokens whose KV the prefill engine handed off (its block ids x block size)."""
         groups = block_id_groups(kv_params)
         return min(len(groups[0]) * self._block_size, prompt_len) if groups else 0
+
+
+def _continued(
+    c: Completion, prompt_len: int, generated: list[int], moves: list[str], started: float
+) -> Completion:
+    """The last leg's summary, as the client's one request: the original prompt, every token streamed."""
+    c.prompt_tokens = prompt_len
+    c.cached_tokens = min(c.cached_tokens, prompt_len)
+    c.completion_tokens = len(generated)
+    c.e2e_ms = (time.monotonic() - started) * 1e3
+    c.note = "; ".join(filter(None, [c.note, *(f"continued after {m}" for m in moves)]))
+    if c.output_token_ids:  # with readback: the pin holds the continuation's prompt and its output
+        c.output_token_ids = generated
+    return c

@@ -146,6 +146,10 @@ class RequestRouter:
         if self._readback is not None and session_id is not None:
             self._readback.record(session_id, decode_replica, pinned_kv, prompt, output)
 
+    def replica_failed(self, replica_id: str, reason: str) -> None:
+        """A call found `replica_id` dead or its engine failed: no more routing to it, on any router."""
+        self._view.mark_failed(replica_id, reason)
+
     def prefill_done(self, request_id: str) -> None:
         if request_id in self._admitted:
             self._view.load.on_prefill_done(request_id)

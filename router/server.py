@@ -20,16 +20,17 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, NamedTuple
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from engine.messages import TokenBatch
+from engine.messages import Sampling, TokenBatch
 from router.api import pdserve_pb2 as pb
 from router.api import pdserve_pb2_grpc as pb_grpc
 from router.block_hash import PromptReuse
 from router.chat_encoder import SessionChatEncoder
 from router.metrics import RouterMetrics
-from router.orchestrator import Completion, NoReplicaError, Orchestrator
+from router.orchestrator import Completion, NoReplicaError, Orchestrator, Route
 from router.policy.types import NoReplicaError as NoEligibleReplica
 from router.routing import Overloaded, RequestRouter
 from router.token_sessions import SessionTokenIds, TokenIdsTurn
@@ -54,15 +55,16 @@ _PATH = {
 
 
 class GenerateCall(NamedTuple):
-    """A Generate request as received: parsed, and its wire bytes (`router.token_sessions` compares a token-id
-    session's packed ids in them with the previous turn's)."""
+    """A Generate request as received: parsed, its wire bytes (`router.token_sessions` compares a token-id
+    session's packed ids in them with the previous turn's), and the id it is served and logged under."""
 
     request: pb.GenerateRequest
     raw: bytes
+    request_id: str
 
     @classmethod
     def parse(cls, raw: bytes) -> GenerateCall:
-        return cls(pb.GenerateRequest.FromString(raw), raw)
+        return cls(pb.GenerateRequest.FromString(raw), raw, uuid.uuid4().hex)
 
 
 class _Aborted(Exception):
@@ -84,6 +86,7 @@ class PdserveService(pb_grpc.PdserveServicer):
         router: RequestRouter,
         metrics: RouterMetrics,
         cluster_status: Callable[[], Awaitable[list[pb.Replica]]],
+        failover_attempts: int = 3,
     ) -> None:
         self._tokenizer = tokenizer
         self._chat = chat_encoder
@@ -93,6 +96,7 @@ class PdserveService(pb_grpc.PdserveServicer):
         self._router = router
         self._metrics = metrics
         self._cluster_status = cluster_status
+        self._failover_attempts = failover_attempts
         self._token_sessions = SessionTokenIds()
 
     async def Generate(
@@ -106,6 +110,9 @@ class PdserveService(pb_grpc.PdserveServicer):
         except _Aborted as exc:
             code = exc.code
             await context.abort(exc.code, exc.message)
+        except Exception as exc:
+            code = grpc.StatusCode.INTERNAL
+            await _abort_internal(context, "Generate", _request_id_of(call), exc)
         except asyncio.CancelledError:
             # Client cancelled or the deadline passed: grpc cancels this task; the orchestrator's
             # cleanup cancelled the engine legs on the way out.
@@ -132,28 +139,41 @@ class PdserveService(pb_grpc.PdserveServicer):
         if turn is not None:
             self._token_sessions.finish(turn, prompt_ids)
             self._metrics.on_token_ids(len(turn.prior or ()), len(prompt_ids) - len(turn.prior or ()))
-        request_id = valid.request_id or uuid.uuid4().hex
-        try:
-            route = self._router.route(
-                request_id, valid.session_id or None, prompt_ids, valid.sampling, reuse
-            )
-        except Overloaded as exc:
-            raise _Aborted(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from exc
-        except NoEligibleReplica as exc:
-            raise _Aborted(grpc.StatusCode.UNAVAILABLE, f"no ready replica: {exc}") from exc
-        self._metrics.decisions.labels(reason=route.reason).inc()
-        if route.readback_tokens:
-            self._metrics.readback_tokens.labels(decode_replica=route.readback_replica).inc(
-                route.readback_tokens
-            )
+        request_id = _request_id_of(call)
+        session_id = valid.session_id or None
+
+        def route(prompt: list[int], sampling: Sampling, reuse: PromptReuse | None = None) -> Route:
+            try:
+                chosen = self._router.route(request_id, session_id, prompt, sampling, reuse)
+            except Overloaded as exc:
+                raise _Aborted(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from exc
+            except NoEligibleReplica as exc:
+                raise _Aborted(grpc.StatusCode.UNAVAILABLE, f"no ready replica: {exc}") from exc
+            self._metrics.decisions.labels(reason=chosen.reason).inc()
+            if chosen.readback_tokens:
+                self._metrics.readback_tokens.labels(decode_replica=chosen.readback_replica).inc(
+                    chosen.readback_tokens
+                )
+            return chosen
+
+        def reroute(prompt: list[int], sampling: Sampling) -> Route:
+            """A failed leg's continuation: released from its first admission, routed again."""
+            self._router.finish(request_id)
+            self._metrics.failovers.inc()
+            return route(prompt, sampling)
+
+        first_route = route(prompt_ids, valid.sampling, reuse)
         first_token_at: float | None = None
         started = time.monotonic()
         try:
-            events = self._orchestrator.run(
+            events = self._orchestrator.serve(
                 request_id,
                 prompt_ids,
                 valid.sampling,
-                route,
+                first_route,
+                reroute=reroute,
+                on_replica_failed=self._router.replica_failed,
+                attempts=self._failover_attempts,
                 on_prefill_done=lambda: self._router.prefill_done(request_id),
             )
             async for event in events:
@@ -166,7 +186,7 @@ class PdserveService(pb_grpc.PdserveServicer):
                 else:
                     self._record(event, first_token_at, started)
                     self._router.turn_done(
-                        valid.session_id or None,
+                        session_id,
                         event.decode_replica,
                         event.pinned_kv,
                         prompt_ids,
@@ -220,6 +240,8 @@ class PdserveService(pb_grpc.PdserveServicer):
             ids, _ = await self._encode(prompt)
         except (InvalidRequest, ChatInputError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{exc.field}: {exc.message}")
+        except Exception as exc:
+            await _abort_internal(context, "Tokenize", uuid.uuid4().hex, exc)
         return pb.TokenizeResponse(token_ids=ids, max_model_len=self._limits.max_model_len)
 
     async def ListModels(
@@ -233,7 +255,29 @@ class PdserveService(pb_grpc.PdserveServicer):
     async def GetClusterStatus(
         self, request: pb.GetClusterStatusRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetClusterStatusResponse:
-        return pb.GetClusterStatusResponse(replicas=await self._cluster_status())
+        try:
+            replicas = await self._cluster_status()
+        except Exception as exc:
+            await _abort_internal(context, "GetClusterStatus", uuid.uuid4().hex, exc)
+        return pb.GetClusterStatusResponse(replicas=replicas)
+
+
+def _request_id_of(call: GenerateCall) -> str:
+    """The id the client knows the request by: its own when it sent a usable one, else the server's."""
+    rid = call.request.request_id
+    return rid if rid and len(rid) <= 128 and rid.isprintable() else call.request_id
+
+
+async def _abort_internal(
+    context: grpc.aio.ServicerContext, method: str, request_id: str, exc: Exception
+) -> None:
+    """A bug or an unexpected failure: the client gets INTERNAL and an id to quote, never a traceback, a
+    path or an address (the log has them, under the same id). gRPC itself would answer UNKNOWN with the
+    exception's text."""
+    log.error("%s %s failed", method, request_id, exc_info=exc)
+    await context.abort(
+        grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); request id {request_id}"
+    )
 
 
 def _final(c: Completion) -> pb.Final:
@@ -287,23 +331,52 @@ def _deny_handler() -> grpc.RpcMethodHandler:
 
 def add_pdserve_service(service: PdserveService, server: grpc.aio.Server) -> None:
     """What the generated `add_PdserveServicer_to_server` does, for every method of the service in the proto,
-    except that Generate's requests arrive as `GenerateCall` (parsed, with their wire bytes)."""
+    except that Generate's requests arrive as `GenerateCall` (parsed, with their wire bytes), and that a
+    request that does not parse (corrupt bytes, invalid UTF-8 in a string) gets INVALID_ARGUMENT: gRPC's own
+    deserializer would answer UNKNOWN with the parser's exception."""
     desc = pb.DESCRIPTOR.services_by_name["Pdserve"]
     handlers = {}
     for m in desc.methods:
+        parse = GenerateCall.parse if m.name == "Generate" else getattr(pb, m.input_type.name).FromString
+        method = getattr(service, m.name)
+        wrap = _parsed_stream if m.server_streaming else _parsed_unary
         make = (
             grpc.unary_stream_rpc_method_handler
             if m.server_streaming
             else grpc.unary_unary_rpc_method_handler
         )
-        parse = GenerateCall.parse if m.name == "Generate" else getattr(pb, m.input_type.name).FromString
         handlers[m.name] = make(
-            getattr(service, m.name),
-            request_deserializer=parse,
+            wrap(method, parse, m.input_type.full_name),
+            request_deserializer=None,  # the raw bytes: parsed in the handler
             response_serializer=getattr(pb, m.output_type.name).SerializeToString,
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(desc.full_name, handlers),))
     server.add_registered_method_handlers(desc.full_name, handlers)
+
+
+async def _parse_or_abort(
+    raw: bytes, parse: Callable[[bytes], Any], type_name: str, context: grpc.aio.ServicerContext
+) -> Any:
+    try:
+        return parse(raw)
+    except DecodeError as exc:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: not a valid {type_name} ({exc})")
+
+
+def _parsed_unary(method: Any, parse: Callable[[bytes], Any], type_name: str) -> Any:
+    async def handler(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+        return await method(await _parse_or_abort(raw, parse, type_name, context), context)
+
+    return handler
+
+
+def _parsed_stream(method: Any, parse: Callable[[bytes], Any], type_name: str) -> Any:
+    async def handler(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        request = await _parse_or_abort(raw, parse, type_name, context)
+        async for message in method(request, context):
+            yield message
+
+    return handler
 
 
 class ListenError(OSError):
@@ -355,6 +428,7 @@ async def start_grpc_server(
     if bound == 0:
         raise ListenError("server.grpc_port", address, "in use, or not an address of this machine")
     await server.start()
-    await health_servicer.set(service_name, health_pb2.HealthCheckResponse.SERVING)
-    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    # SERVING once the caller knows a replica can serve (router/app.py follows the cluster from then on).
+    await health_servicer.set(service_name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     return server, health_servicer

@@ -205,6 +205,8 @@ class Outcome:
     tokens: int
     code: grpc.StatusCode  # OK, or the failure's status
     message: str = ""
+    prompt: tuple[int, ...] = ()
+    token_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -243,9 +245,13 @@ class Streamer:
                         done.served_by.decode_replica,
                         len(done.token_ids),
                         grpc.StatusCode.OK,
+                        prompt=tuple(prompt),
+                        token_ids=tuple(done.token_ids),
                     )
                 except PdserveError as exc:
-                    outcome = Outcome(started, time.monotonic(), "", 0, exc.code, exc.message)
+                    outcome = Outcome(
+                        started, time.monotonic(), "", 0, exc.code, exc.message, prompt=tuple(prompt)
+                    )
                 with self._lock:
                     self.outcomes.append(outcome)
 

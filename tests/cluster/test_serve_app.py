@@ -12,7 +12,7 @@ def test_local_cpu_pools_get_their_cores_kv_space_and_kv_roles() -> None:
     topo = load_topology(LOCAL)
     prefill, decode = engine_spec(topo, "prefill"), engine_spec(topo, "decode")
     assert (prefill.role, decode.role) == ("prefill", "decode")
-    assert (prefill.cpu_threads_bind, decode.cpu_threads_bind) == ("0", "1")
+    assert (prefill.cpu_threads_bind, decode.cpu_threads_bind) == (["0"], ["1"])
     assert prefill.cpu_kv_cache_gib == 1 and prefill.device == "cpu"
     assert prefill.kv_transfer and decode.kv_transfer
     # A one-machine cluster keeps engine side channels on loopback.

@@ -359,3 +359,14 @@ def test_inventory_labels_are_plain_values() -> None:
     with pytest.raises(TopologyError) as info:
         parse_topology("nodes: [{name: a, cpus: 8, labels: {role: '!decode'}}]")
     assert info.value.path == "nodes[0].labels.role"
+
+
+def test_threads_bind_may_give_each_replica_its_own_cores() -> None:
+    topo = parse_topology("pools: {decode: {replicas: 2, cpu: {threads_bind: ['1', '0']}}}")
+    assert topo.pools.decode.cpu_engine.threads_bind == ["1", "0"]
+    with pytest.raises(TopologyError) as info:
+        parse_topology("pools: {decode: {replicas: 2, cpu: {threads_bind: ['1', 'x']}}}")
+    assert info.value.path == "pools.decode.cpu.threads_bind[1]"
+    with pytest.raises(TopologyError) as info:
+        parse_topology("pools: {decode: {cpu: {threads_bind: []}}}")
+    assert info.value.path == "pools.decode.cpu.threads_bind"

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from engine.double import VOCAB_SIZE, DoubleEngineHost, DoubleTiming, double_token
+from engine.double import VOCAB_SIZE, DoubleEngineHost, DoubleTiming, double_tokens
 from engine.messages import EngineRequest, Sampling, TokenBatch
 from engine.spec import EngineSpec, spec_env, spec_from_env
 
@@ -52,13 +52,15 @@ async def collect(h: DoubleEngineHost, req: EngineRequest) -> list[TokenBatch]:
     return [b async for b in h.generate(req)]
 
 
-async def test_tokens_depend_only_on_prompt_and_position_and_stay_in_the_vocabulary() -> None:
+async def test_tokens_depend_only_on_the_sequence_so_far_and_stay_in_the_vocabulary() -> None:
     a, b = host(), host()
     prompt = list(range(10, 30))
     first, second = await collect(a, request(prompt, 20)), await collect(b, request(prompt, 20, rid="other"))
     ids = [t for batch in first for t in batch.token_ids]
     assert ids == [t for batch in second for t in batch.token_ids]
-    assert ids == [double_token(prompt, i) for i in range(20)]
+    assert ids == double_tokens(prompt, 20)
+    # Autoregressive, as greedy decoding: the prompt plus the first tokens continues with the rest.
+    assert double_tokens([*prompt, *ids[:7]], 13) == ids[7:]
     assert len(set(ids)) > 10  # not a constant
     assert all(3 <= t < VOCAB_SIZE for t in ids)
     other = await collect(a, request([*prompt, 1], 20, rid="x"))

@@ -11,7 +11,7 @@ import msgspec
 import pytest
 from ray.exceptions import ActorDiedError
 
-from engine.messages import EngineRequest, PrefillResult, Sampling, TokenBatch
+from engine.messages import EngineRequest, PrefillResult, ReplicaFailed, Sampling, TokenBatch
 from router.orchestrator import Completion, NoReplicaError, Orchestrator, Route
 
 PROMPT = list(range(100, 200))
@@ -146,29 +146,107 @@ async def test_local_prefill_skips_the_prefill_leg() -> None:
     assert prefill.calls == [] and done.path == "local_prefill" and done.prefill_replica == ""
 
 
-async def test_a_lost_prefill_replica_is_retried_once_without_the_hint() -> None:
+class Failover:
+    """What the server gives `Orchestrator.serve`: the router's next routes, and who heard of failures."""
+
+    def __init__(self, *routes: Route) -> None:
+        self.routes = list(routes)
+        self.asked: list[tuple[list[int], Sampling]] = []
+        self.failed: list[tuple[str, str]] = []
+
+    def reroute(self, prompt: list[int], sampling: Sampling) -> Route:
+        self.asked.append((prompt, sampling))
+        return self.routes.pop(0)
+
+    def replica_failed(self, replica_id: str, reason: str) -> None:
+        self.failed.append((replica_id, reason))
+
+
+async def serve(
+    orch: Orchestrator, route: Route, failover: Failover, *, attempts: int = 3, max_tokens: int = 3
+) -> tuple[list[int], Completion]:
+    ids, completions = [], []
+    async for event in orch.serve(
+        "r",
+        PROMPT,
+        Sampling(max_tokens=max_tokens, temperature=0.0),
+        route,
+        reroute=failover.reroute,
+        on_replica_failed=failover.replica_failed,
+        attempts=attempts,
+    ):
+        if isinstance(event, TokenBatch):
+            ids += event.token_ids
+        else:
+            completions.append(event)
+    assert len(completions) == 1, "exactly one terminal summary"
+    return ids, completions[0]
+
+
+def from_replica(batch: TokenBatch, replica_id: str) -> TokenBatch:
+    return msgspec.structs.replace(batch, replica_id=replica_id)
+
+
+async def test_a_lost_prefill_replica_sends_the_request_on_a_new_route() -> None:
     prefill = FakePrefill([ActorDiedError(), prefill_result(KV)])
-    orch = Orchestrator(prefill, FakeDecode([[tokens(1, final=True)]]), block_size=32)
-    _, done = await run(orch, Route(prefill=True, prefill_replica="P1"))
-    assert [hint for _, hint in prefill.calls] == ["P1", None]
-    assert done.path == "disaggregated"
+    orch = Orchestrator(prefill, FakeDecode([[tokens(1, 2, 3, final=True)]]), block_size=32)
+    failover = Failover(Route(prefill=True, prefill_replica="P2", decode_replica="D1"))
+    ids, done = await serve(orch, Route(prefill=True, prefill_replica="P1"), failover)
+    assert [hint for _, hint in prefill.calls] == ["P1", "P2"]
+    # Serve may have sent the lost call elsewhere than hinted: no replica is blamed on a guess.
+    assert failover.failed == []
+    assert ids == [1, 2, 3] and done.path == "disaggregated" and done.completion_tokens == 3
+    assert "continued after prefill replica (unknown): its replica process died after 0 tokens" in done.note
 
 
-async def test_a_decode_replica_lost_before_the_first_token_restarts_the_leg_with_local_prefill() -> None:
-    decode = FakeDecode([[ActorDiedError()], [tokens(1, 2, final=True)]])
+async def test_a_failed_prefill_engine_is_reported_and_its_request_routed_again() -> None:
+    prefill = FakePrefill([ReplicaFailed("P1", "its vLLM engine core died"), prefill_result(KV)])
+    orch = Orchestrator(prefill, FakeDecode([[tokens(1, 2, 3, final=True)]]), block_size=32)
+    failover = Failover(Route(prefill=True, prefill_replica="P2"))
+    await serve(orch, Route(prefill=True, prefill_replica="P1"), failover)
+    assert failover.failed == [("P1", "its vLLM engine core died")]
+    assert failover.asked == [(PROMPT, Sampling(max_tokens=3, temperature=0.0))]
+
+
+async def test_a_decode_replica_lost_mid_stream_continues_elsewhere_from_the_tokens_so_far() -> None:
+    decode = FakeDecode(
+        [[from_replica(tokens(11), "D1"), ActorDiedError()], [tokens(12), tokens(13, final=True)]]
+    )
     orch = Orchestrator(FakePrefill([prefill_result(KV)]), decode, block_size=32)
-    _, done = await run(orch, Route(prefill=True, decode_replica="D1"))
-    # The KV handed to the lost replica is gone with it: the retry recomputes the prompt.
-    assert [(req.kv_transfer_params, hint) for req, hint in decode.calls] == [(KV, "D1"), (None, None)]
-    assert done.completion_tokens == 2
+    failover = Failover(Route(prefill=False, decode_replica="D2"))
+    ids, done = await serve(orch, Route(prefill=True, decode_replica="D1"), failover)
+    # One stream for the client: the continuation's prompt is the original plus what was streamed, its
+    # max_tokens what was left, and it recomputes (the KV handed to D1 is gone with it).
+    assert ids == [11, 12, 13]
+    second, hint = decode.calls[1]
+    assert second.prompt_token_ids == [*PROMPT, 11] and second.sampling.max_tokens == 2
+    assert second.kv_transfer_params is None and hint == "D2"
+    assert second.request_id != decode.calls[0][0].request_id
+    assert failover.failed == [("D1", "its replica process died")]  # it streamed: known for sure
+    assert done.prompt_tokens == len(PROMPT) and done.completion_tokens == 3
+    assert "continued after decode replica D1: its replica process died after 1 tokens" in done.note
 
 
-async def test_a_decode_replica_lost_mid_stream_fails_the_request_instead_of_duplicating_tokens() -> None:
-    decode = FakeDecode([[tokens(1), ActorDiedError()]])
-    orch = Orchestrator(FakePrefill([prefill_result(KV)]), decode, block_size=32)
-    with pytest.raises(NoReplicaError):
-        await run(orch, Route(prefill=True))
-    assert len(decode.calls) == 1
+async def test_a_failed_engine_names_itself_and_the_request_goes_on() -> None:
+    decode = FakeDecode(
+        [[tokens(11), ReplicaFailed("D1", "its vLLM engine core died")], [tokens(12, 13, final=True)]]
+    )
+    orch = Orchestrator(FakePrefill([]), decode, block_size=32)
+    failover = Failover(Route(prefill=False, decode_replica="D2"))
+    ids, _ = await serve(orch, Route(prefill=False, decode_replica="D1"), failover)
+    assert ids == [11, 12, 13] and failover.failed == [("D1", "its vLLM engine core died")]
+
+
+async def test_failover_gives_up_after_its_attempts_with_a_message_fit_for_a_client() -> None:
+    decode = FakeDecode([[ActorDiedError()], [ActorDiedError()]])
+    orch = Orchestrator(FakePrefill([]), decode, block_size=32)
+    failover = Failover(Route(prefill=False, decode_replica="D2"))
+    with pytest.raises(NoReplicaError) as info:
+        await serve(orch, Route(prefill=False, decode_replica="D1"), failover, attempts=1)
+    assert len(decode.calls) == 2
+    message = str(info.value)
+    assert message.startswith("no replica could finish the request: decode replica (unknown)")
+    assert "Traceback" not in message and "ActorDiedError" not in message
 
 
 async def test_a_consumer_that_stops_early_cancels_the_decode_stream() -> None:
@@ -195,14 +273,6 @@ async def test_readback_params_go_to_the_prefill_leg_and_the_pin_comes_back() ->
     _, done = await run(orch, Route(prefill=True, readback_params=readback, pin_kv=True))
     assert prefill.calls[0][0].kv_transfer_params == readback
     assert done.pinned_kv == PIN and done.output_token_ids == [1, 2, 3]
-
-
-async def test_a_retried_prefill_leg_never_reads_the_pin_twice() -> None:
-    # The lost replica may have read the pinned blocks (which unpins them): the retry computes instead.
-    prefill = FakePrefill([ActorDiedError(), prefill_result(KV)])
-    orch = Orchestrator(prefill, FakeDecode([[tokens(1, final=True)]]), block_size=32)
-    await run(orch, Route(prefill=True, readback_params={"remote_block_ids": [[9]]}))
-    assert [req.kv_transfer_params for req, _ in prefill.calls] == [{"remote_block_ids": [[9]]}, None]
 
 
 async def test_a_local_prefill_of_a_session_asks_decode_to_pin_its_blocks() -> None:

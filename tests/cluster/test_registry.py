@@ -1,0 +1,94 @@
+"""The replica registry (plain object: no Ray): failure reports reach every router's poll, and per-replica
+slots (CPU cores) go to the replica that needs them most."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster import registry as registry_module
+from cluster.registry import Registry
+from engine.messages import ReplicaInfo
+
+
+def info(rid: str, role: str = "decode", failed: str = "") -> ReplicaInfo:
+    return ReplicaInfo(
+        replica_id=rid,
+        role=role,  # type: ignore[arg-type]
+        node_id="n",
+        kv_events_endpoint=None,
+        kv_events_replay_endpoint=None,
+        nixl_host="127.0.0.1",
+        nixl_port=1,
+        block_size=32,
+        failed=failed,
+    )
+
+
+def test_a_reported_failure_is_in_every_snapshot_until_the_entry_goes() -> None:
+    reg = Registry()
+    reg.publish(info("d1"))
+    reg.publish(info("d2"))
+    reg.report_failed("d1", "its replica process died")
+    reg.report_failed("gone", "never registered")  # nothing to mark
+    failed = {i.replica_id: i.failed for i in reg.snapshot()}
+    assert failed == {"d1": "its replica process died", "d2": ""}
+    reg.publish(info("d1"))  # a late heartbeat does not clear it
+    assert {i.replica_id: i.failed for i in reg.snapshot()}["d1"] == "its replica process died"
+    reg.withdraw("d1")
+    assert [i.replica_id for i in reg.snapshot()] == ["d2"]
+
+
+def test_a_replicas_own_failure_report_wins() -> None:
+    reg = Registry()
+    reg.publish(info("d1", failed="its vLLM engine core died"))
+    reg.report_failed("d1", "its replica process died")
+    assert reg.snapshot()[0].failed == "its vLLM engine core died"
+
+
+def test_slots_go_to_the_least_used_entry_and_free_up_when_a_replica_goes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = [1000.0]
+    monkeypatch.setattr(registry_module.time, "monotonic", lambda: clock[0])
+    reg = Registry()
+    assert [reg.claim_slot("decode", rid, 2) for rid in ("a", "b")] == [0, 1]
+    assert reg.claim_slot("prefill", "p", 2) == 0  # roles count apart
+    for rid in ("a", "b"):
+        reg.publish(info(rid))
+    reg.withdraw("a")
+    assert reg.claim_slot("decode", "c", 2) == 0  # a's slot, free again
+    reg.publish(info("c"))
+    # b stops heartbeating and expires: its slot is free for its replacement.
+    clock[0] += registry_module.EXPIRY_S + 1
+    reg.publish(info("c"))
+    reg.snapshot()
+    assert reg.claim_slot("decode", "d", 2) == 1
+    # A replica that claimed and died before publishing holds its slot only for CLAIM_TTL_S.
+    assert reg.claim_slot("decode", "e", 2) == 0  # tie 1-1 with c and d: the lowest
+    clock[0] += registry_module.CLAIM_TTL_S + 1
+    reg.publish(info("c"))
+    assert reg.claim_slot("decode", "f", 2) == 1  # d and e never published: only c's slot is held
+
+
+def test_status_shows_a_failed_replica_with_its_reason() -> None:
+    from cluster.status import build_status, render_table
+
+    details = {
+        "applications": {
+            "pdserve": {
+                "status": "RUNNING",
+                "deployments": {
+                    "decode": {
+                        "status": "HEALTHY",
+                        "replicas": [
+                            {"replica_id": "d1", "state": "RUNNING", "node_id": "n", "node_ip": "1.2.3.4"}
+                        ],
+                    }
+                },
+            }
+        }
+    }
+    status = build_status("pdserve", details, {}, [info("d1", failed="its vLLM engine core died")])
+    (row,) = status.replicas
+    assert row.registry == "failed: its vLLM engine core died"
+    assert "failed: its vLLM engine core died" in render_table(status)
