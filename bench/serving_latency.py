@@ -47,7 +47,9 @@ def _topology(base: Path, out: Path, *, disaggregated: bool) -> dict[str, Any]:
     return topo
 
 
-class _Cluster:
+class LocalCluster:
+    """`pdserve up -f topology` in a subprocess, ready once it prints its ready line; `down()` stops it."""
+
     def __init__(self, topology: Path) -> None:
         self.ready_s = 0.0
         started = time.monotonic()
@@ -138,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         for mode in ("pd", "single"):
             path = Path(tmp) / f"{mode}.yaml"
             topo = _topology(args.topology, path, disaggregated=mode == "pd")
-            cluster = _Cluster(path)
+            cluster = LocalCluster(path)
             try:
                 target = f"127.0.0.1:{topo['server']['grpc_port']}"
                 results[mode] = {

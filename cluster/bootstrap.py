@@ -22,7 +22,7 @@ from typing import Any
 
 import psutil
 
-from cluster.ray_auth import use_ray_token_auth
+from cluster.ray_auth import use_loopback_ray, use_ray_token_auth
 from cluster.topology import Topology
 
 APP_NAME = "pdserve"
@@ -94,6 +94,7 @@ def start_local_head(topo: Topology) -> tuple[str, str]:
     if cfg.num_cpus is not None:
         cmd.append(f"--num-cpus={cfg.num_cpus}")
     use_ray_token_auth()
+    use_loopback_ray()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     if proc.returncode != 0:
         stop_local_ray(f"127.0.0.1:{port}")  # whatever part of it did start

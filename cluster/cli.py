@@ -400,6 +400,7 @@ def _status(args: argparse.Namespace) -> int:
     from cluster.status import collect_status, fetch_registry, render_json, render_table
 
     state = _running_cluster()
-    status = collect_status(state.dashboard_url, APP_NAME, fetch_registry(state.ray_address, APP_NAME))
+    registry = fetch_registry(state.ray_address, APP_NAME, local=state.started_ray)
+    status = collect_status(state.dashboard_url, APP_NAME, registry)
     print(render_json(status) if args.json else render_table(status))
     return 0

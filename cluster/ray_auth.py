@@ -1,4 +1,5 @@
-"""Ray token authentication for pdserve's processes (kept free of Ray imports: it must run first).
+"""How pdserve's processes reach Ray safely: token authentication, and a local cluster on loopback only
+(kept free of Ray imports where it can: Ray reads these settings once, at import).
 
 Ray 2.60's `ray start` turns token authentication on, and a Ray cluster runs any code it is sent, so pdserve
 keeps it on. A Ray head that pdserve starts itself gets a token made here when none is configured; a cluster
@@ -29,6 +30,22 @@ def use_ray_token_auth() -> None:
         from ray import _raylet
 
         _raylet.Config.initialize("")  # type: ignore[attr-defined]
+
+
+# Ray turns a loopback node address into the machine's own (so that other nodes could join) and then listens
+# there: GCS, raylet, dashboard agent, and the Ray client server on port 10001. With this set to 0, a node
+# keeps 127.0.0.1 and refuses to take in other nodes: what a one-machine cluster wants.
+LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+def use_loopback_ray() -> None:
+    """For this process and the Ray processes it starts: the local cluster lives on 127.0.0.1 only. Also
+    needed by a driver of such a cluster (it finds its node by that address)."""
+    os.environ.update(LOOPBACK_ENV)
+    if "ray" in sys.modules:
+        from ray._private import ray_constants
+
+        ray_constants.ENABLE_RAY_CLUSTER = False
 
 
 def token_path() -> Path:

@@ -131,13 +131,20 @@ def _registry_state(info: ReplicaInfo | None) -> str:
     return "ready" if info.ready else "starting"
 
 
-def fetch_registry(ray_address: str, app_name: str, timeout_s: float = 10.0) -> list[ReplicaInfo]:
-    """The registry's entries, from a process not yet connected to Ray (the CLI)."""
+def fetch_registry(
+    ray_address: str, app_name: str, timeout_s: float = 10.0, *, local: bool = False
+) -> list[ReplicaInfo]:
+    """The registry's entries, from a process not yet connected to Ray (the CLI). `local`: the cluster is
+    the one-machine cluster `pdserve up` started (on loopback: cluster/ray_auth.py)."""
     import logging
 
     import ray
     from ray import serve
 
+    if local:
+        from cluster.ray_auth import use_loopback_ray
+
+        use_loopback_ray()
     if not ray.is_initialized():
         # Quietly: Ray's connection notes are for logs, not for a command whose output is the answer.
         ray.init(address=ray_address, namespace="pdserve", log_to_driver=False, logging_level=logging.WARNING)

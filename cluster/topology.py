@@ -324,6 +324,8 @@ def parse_topology(
         raise TopologyError("", f"invalid YAML{where}: {e.problem or e.context}", source) from None
     except yaml.YAMLError as e:
         raise TopologyError("", f"invalid YAML: {e}", source) from None
+    except RecursionError:  # PyYAML's loader recurses once per nesting level
+        raise TopologyError("", "the document is nested too deeply to be a topology", source) from None
     except msgspec.ValidationError as e:
         path, reason = _describe_validation_error(str(e), raw)
         raise TopologyError(path, reason, source) from None

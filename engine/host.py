@@ -137,6 +137,11 @@ class EngineHost:
             "VLLM_NIXL_SIDE_CHANNEL_HOST": self.node_ip,
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.nixl_port),
         }
+        if self.spec.bind_host in ("127.0.0.1", "localhost"):
+            # A one-machine cluster: vLLM's own sockets and NIXL's UCX transports (which listen on every
+            # network device) stay on loopback, not on the machine's address.
+            env["VLLM_HOST_IP"] = "127.0.0.1"
+            env["UCX_NET_DEVICES"] = "lo"
         if self.spec.device == "cpu":
             (bind,) = self.spec.cpu_threads_bind  # the replica chose its entry (engine/replica.py)
             env["VLLM_CPU_OMP_THREADS_BIND"] = bind

@@ -18,11 +18,13 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from e2e_support import PDSERVE, REPO, RunningCluster, alive, make_topology
 
 pytestmark = pytest.mark.e2e
 
+LOOPBACK = ("127.0.0.1", "::1", "::ffff:127.0.0.1")
 # Settings of this machine's platform, not of pdserve or of the test session: a user has them too.
 _PLATFORM_ENV = ("PATH", "LANG", "LC_ALL", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "TMPDIR")
 
@@ -84,6 +86,20 @@ def test_a_fresh_machine_starts_serves_and_stops_a_cluster(fresh: tuple[Path, di
         names = " ".join(" ".join(p.cmdline()) for p in processes)
         assert "gcs_server" in names and "raylet" in names
         assert len(processes) >= 6  # pdserve up, Ray daemons, replica actors, engine cores
+        # A local cluster is reachable from this machine only: Ray, its client server, vLLM and NIXL.
+        pids = {p.pid for p in processes}
+        listening = [
+            (c.pid, c.laddr.ip, c.laddr.port)
+            for c in psutil.net_connections(kind="inet")
+            if c.pid in pids and c.status == psutil.CONN_LISTEN
+        ]
+        assert listening, "no listening socket found for the cluster's processes"
+        exposed = [(psutil.Process(pid).name(), ip) for pid, ip, _ in listening if ip not in LOOPBACK]
+        # The one exception, Ray Serve's own: every Serve replica serves its inter-deployment gRPC on
+        # [::] (ray/serve/_private/replica.py binds "[::]:0"; nothing configures it). Nothing else may.
+        serve_replicas = [p for p in processes if p.name().startswith("ray::ServeRepli")]
+        assert [e for e in exposed if e[1] != "::" or not e[0].startswith("ray::ServeRepli")] == [], exposed
+        assert len(exposed) <= len(serve_replicas), exposed
 
         gen = cluster.cli("generate", "Tell me about KV caches.", "--max-tokens", "8", "--json")
         assert gen.returncode == 0, gen.stderr

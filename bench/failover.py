@@ -1,0 +1,257 @@
+"""How pdserve rides out failures, on a local CPU cluster of one prefill and two decode vLLM replicas.
+
+For each fault, 8 greedy streams of 400 tokens start at once; when a replica has streams running (the
+busiest decode replica, or the prefill replica while the streams' prefill legs and KV transfers are in
+flight), the fault is injected there. Printed per fault: streams moved to another replica, whether every
+output equals the run without the fault, the time from the fault to the replica leaving routing (every
+router: it is read from the router's cluster status), and to a replacement serving.
+
+    .venv/bin/python -m bench.failover [--faults decode_worker,frozen_engine]
+
+Faults: decode_worker (SIGKILL of a decode replica's VLLM::Worker process), decode_engine_core (of its
+VLLM::EngineCore), replica_actor (of the replica's actor process), frozen_engine (SIGSTOP of a decode
+engine core: no error, no progress; the topology's hang_timeout_s is 3 s here), prefill_engine_core.
+tests/e2e/test_faults.py runs the same faults and asserts on them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import yaml
+
+from cluster.bootstrap import APP_NAME, RunState
+from engine.host import free_ports
+from router.client import Completion, PdserveClient
+
+REPO = Path(__file__).resolve().parents[1]
+STREAMS = 8
+MAX_TOKENS = 400  # long enough for a fault to land mid-stream
+PROMPTS = [
+    f"Agent {i}: summarise the failure log of build {i * 7919} and list the flaky tests. " * 12
+    for i in range(STREAMS)
+]
+# Overrides of deploy/local.yaml, by dotted path.
+TOPOLOGY = {
+    "pools.decode.replicas": 2,
+    "pools.decode.cpu.threads_bind": ["1", "0"],  # each decode engine a core of its own
+    "pools.decode.hang_timeout_s": 3.0,  # a step of the tiny model takes milliseconds
+    # Every request (and every continuation) takes the prefill -> NIXL -> decode path, cached or not.
+    "router.local_prefill_max_tokens": 0,
+    "router.long_local_prefill": False,
+    "router.prefill_overflow_queue_s": None,
+}
+
+
+def write_topology(out: Path) -> Path:
+    topo = yaml.safe_load((REPO / "deploy" / "local.yaml").read_text())
+    grpc, metrics, dashboard = free_ports(3)
+    overrides = {**TOPOLOGY, "server.grpc_port": grpc, "server.metrics_port": metrics}
+    overrides["ray.dashboard_port"] = dashboard
+    for dotted, value in overrides.items():
+        node = topo
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            node = node[key]
+        node[leaf] = value
+    out.write_text(yaml.safe_dump(topo))
+    return out
+
+
+def generate(client: PdserveClient, prompt: str) -> Completion:
+    return client.generate_text(prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+def wait_for(probe: Callable[[], object], timeout_s: float, what: str) -> object:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if (value := probe()) is not None:
+            return value
+        time.sleep(0.1)
+    raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+def ready(client: PdserveClient, role: str) -> dict[str, int]:
+    """Replicas of `role` the router can use, with their running requests."""
+    return {
+        r.replica_id: r.running_requests
+        for r in client.cluster_status()
+        if r.role == role and r.state == "READY"
+    }
+
+
+def whole_cluster(client: PdserveClient) -> bool | None:
+    return True if len(ready(client, "decode")) == 2 and len(ready(client, "prefill")) == 1 else None
+
+
+class Streams:
+    """STREAMS greedy requests at once, each on its own thread."""
+
+    def __init__(self, client: PdserveClient) -> None:
+        self.results: list[Completion | BaseException | None] = [None] * STREAMS
+        self.threads = [threading.Thread(target=self._run, args=(client, i)) for i in range(STREAMS)]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, client: PdserveClient, i: int) -> None:
+        try:
+            self.results[i] = generate(client, PROMPTS[i])
+        except BaseException as exc:
+            self.results[i] = exc
+
+    def join(self) -> list[Completion | BaseException | None]:
+        for t in self.threads:
+            t.join(timeout=600)
+        return self.results
+
+
+def busiest_decode(client: PdserveClient) -> str | None:
+    """The decode replica with the most streams running on it, once one has two (engine stats, 2 s)."""
+    rid, n = max(ready(client, "decode").items(), key=lambda kv: kv[1], default=("", 0))
+    return rid if n >= 2 else None
+
+
+def any_prefill(client: PdserveClient) -> str | None:
+    # At once: the streams' prefill legs (and their KV transfers) are in flight.
+    return next(iter(ready(client, "prefill")), None)
+
+
+def replica_pid(role: str, replica_id: str) -> int:
+    from ray.dashboard.modules.serve.sdk import ServeSubmissionClient
+
+    state = RunState.load()
+    assert state is not None, "no cluster is up"
+    details = ServeSubmissionClient(state.dashboard_url).get_serve_details()
+    for r in details["applications"][APP_NAME]["deployments"][role]["replicas"]:
+        if r["replica_id"] == replica_id:
+            return int(r["pid"])
+    raise LookupError(f"no Serve replica {replica_id}")
+
+
+def engine_process(role: str, replica_id: str, name: str) -> psutil.Process:
+    """The replica's vLLM process called `name` (VLLM::EngineCore, or the VLLM::Worker it drives)."""
+    children = psutil.Process(replica_pid(role, replica_id)).children(recursive=True)
+    found = [p for p in children if p.name().startswith(name[:15])]  # the kernel may keep only 15 characters
+    if len(found) != 1:
+        raise LookupError(f"{name} of {replica_id}: {[(p.pid, p.name()) for p in children]}")
+    return found[0]
+
+
+@dataclass
+class Fault:
+    """What to break, on which role, and when: `victim(client)` names the replica once the moment has come."""
+
+    name: str
+    role: str
+    victim: Callable[[PdserveClient], str | None]
+    stopped: psutil.Process | None = None
+
+    def __repr__(self) -> str:
+        return self.name
+
+    def inject(self, replica_id: str) -> None:
+        if self.name == "replica_actor":
+            # The actor process dies at once (a crash, an OOM kill); its engine core follows it.
+            psutil.Process(replica_pid(self.role, replica_id)).send_signal(signal.SIGKILL)
+        elif self.name == "frozen_engine":
+            self.stopped = engine_process(self.role, replica_id, "VLLM::EngineCore")
+            self.stopped.send_signal(signal.SIGSTOP)
+        else:
+            process = "VLLM::Worker" if self.name.endswith("worker") else "VLLM::EngineCore"
+            engine_process(self.role, replica_id, process).send_signal(signal.SIGKILL)
+
+    def clean_up(self) -> None:
+        """A frozen engine core outlives its replica (it cannot run its parent-death check)."""
+        if self.stopped is not None and self.stopped.is_running():
+            self.stopped.send_signal(signal.SIGKILL)
+
+
+FAULTS = [
+    Fault("decode_worker", "decode", busiest_decode),
+    Fault("decode_engine_core", "decode", busiest_decode),
+    Fault("replica_actor", "decode", busiest_decode),
+    Fault("frozen_engine", "decode", busiest_decode),
+    Fault("prefill_engine_core", "prefill", any_prefill),
+]
+
+
+@dataclass
+class FaultResult:
+    fault: str
+    victim: str
+    outputs: list[Completion | BaseException | None]
+    moved: int
+    out_of_routing_s: float
+    replaced_s: float
+
+
+def run_fault(client: PdserveClient, fault: Fault) -> FaultResult:
+    """Streams, the fault on its victim, then wait for the streams and for Serve's replacement."""
+    wait_for(lambda: whole_cluster(client), 240, "the whole cluster ready")
+    streams = Streams(client)
+    victim = wait_for(lambda: fault.victim(client), 120, f"the moment to break a {fault.role} replica")
+    assert isinstance(victim, str)
+    try:
+        at = time.monotonic()
+        fault.inject(victim)
+        wait_for(lambda: True if victim not in ready(client, fault.role) else None, 60, "the victim to go")
+        out_of_routing_s = time.monotonic() - at
+        outputs = streams.join()
+        wait_for(lambda: whole_cluster(client), 240, "Serve to replace the replica")
+        replaced_s = time.monotonic() - at
+    finally:
+        fault.clean_up()
+    moved = sum(
+        isinstance(c, Completion) and f"continued after {fault.role} replica" in c.served_by.note
+        for c in outputs
+    )
+    return FaultResult(fault.name, victim, outputs, moved, out_of_routing_s, replaced_s)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from bench.serving_latency import LocalCluster
+    from cluster.ray_auth import use_ray_token_auth
+
+    use_ray_token_auth()  # this process reads Serve's view of the cluster from the dashboard
+
+    parser = argparse.ArgumentParser(prog="python -m bench.failover", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--faults", default=",".join(f.name for f in FAULTS))
+    args = parser.parse_args(argv)
+    chosen = [f for f in FAULTS if f.name in args.faults.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        cluster = LocalCluster(write_topology(Path(tmp) / "topology.yaml"))
+        try:
+            topo = yaml.safe_load((Path(tmp) / "topology.yaml").read_text())
+            client = PdserveClient(f"127.0.0.1:{topo['server']['grpc_port']}", timeout=300)
+            wait_for(lambda: whole_cluster(client), 240, "the whole cluster ready")
+            reference = [generate(client, p).token_ids for p in PROMPTS]
+            print(
+                f"cluster ready in {cluster.ready_s:.0f} s; {STREAMS} streams of {MAX_TOKENS} tokens a fault"
+            )
+            print(
+                f"{'fault':<22}{'moved':>7}{'identical':>11}{'out of routing':>16}{'replacement serving':>21}"
+            )
+            for fault in chosen:
+                r = run_fault(client, fault)
+                same = [c.token_ids if isinstance(c, Completion) else None for c in r.outputs] == reference
+                print(
+                    f"{r.fault:<22}{f'{r.moved}/{STREAMS}':>7}{'yes' if same else 'NO':>11}"
+                    f"{r.out_of_routing_s:>15.2f}s{r.replaced_s:>20.1f}s",
+                    flush=True,
+                )
+            client.close()
+        finally:
+            cluster.down()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
