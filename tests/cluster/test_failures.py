@@ -18,6 +18,7 @@ from cluster.placement import INFEASIBLE, placement_specs, wait_for_placement
 from cluster.registry import EXPIRY_S
 from engine.double import double_tokens
 from engine.messages import ReplicaInfo
+from router.client import PdserveClient
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
@@ -32,6 +33,11 @@ def env() -> Iterator[Env]:
 
 def running_decode(env: Env) -> dict[str, dict]:
     return {r["replica_id"]: r for r in serve_replicas(env.cluster.dashboard_url, "decode")}
+
+
+def health(env: Env) -> str:
+    with PdserveClient(env.router.target) as client:
+        return client.health()
 
 
 def registry_ids(role: str) -> set[str]:
@@ -101,9 +107,11 @@ async def test_a_removed_nodes_replicas_come_back_elsewhere_or_are_reported_pend
     report = await wait_for_placement(APP, specs, 30, url)
     assert report.ok, report.summary()
 
-    # No decode node left: the replicas are pending, and the report says why.
+    # No decode node left: the replicas are pending, and the report says why; the endpoint's health says
+    # no request can be served, so a load balancer in front sends traffic elsewhere.
     await asyncio.to_thread(env.cluster.remove_node, env.cluster.node_name(remaining))
     await wait_until(lambda: not running_decode(env), 60, "Serve to lose the decode replicas")
+    await wait_until(lambda: health(env) == "NOT_SERVING" or None, EXPIRY_S + 20, "health to say NOT_SERVING")
     report = await wait_for_placement(APP, specs, 60, url, infeasible_grace_s=3)
     (decode,) = [p for p in report.pools if p.spec.deployment == "decode"]
     assert not decode.placed
@@ -115,5 +123,6 @@ async def test_a_removed_nodes_replicas_come_back_elsewhere_or_are_reported_pend
     # On the test's thread: Ray's node startup installs signal handlers, which only the main thread may.
     env.cluster.nodes["decode-new"] = env.cluster.add_node("decode", 1)
     await wait_until(lambda: len(running_decode(env)) == 2, 90, "the replicas on the new node")
+    await wait_until(lambda: health(env) == "SERVING" or None, 30, "health to say SERVING again")
     report = await wait_for_placement(APP, specs, 30, url)
     assert report.ok, report.summary()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from e2e_support import RunningCluster, make_topology
+from e2e_support import RunningCluster, cluster_up, make_topology
 
 
 @pytest.fixture(scope="module")
@@ -18,10 +18,5 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningCluster
         router__long_local_prefill=False,
         router__prefill_overflow_queue_s=None,
     )
-    running = RunningCluster(topology)
-    try:
-        running.wait_ready()
+    with cluster_up(topology) as running:
         yield running
-    finally:
-        if running.proc.poll() is None:
-            running.down()

@@ -8,6 +8,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
@@ -104,6 +106,18 @@ class RunningCluster:
             self.proc.terminate()
             self.proc.wait(timeout=120)
         return result
+
+
+@contextmanager
+def cluster_up(topology: Path) -> Iterator[RunningCluster]:
+    """A ready cluster for the block (a module's fixture), stopped after it whatever happened."""
+    running = RunningCluster(topology)
+    try:
+        running.wait_ready()
+        yield running
+    finally:
+        if running.proc.poll() is None:
+            running.down()
 
 
 def alive(processes: list[psutil.Process]) -> list[str]:

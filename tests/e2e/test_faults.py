@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from e2e_support import RunningCluster
+from e2e_support import RunningCluster, cluster_up
 
 from bench.failover import (
     FAULTS,
@@ -32,12 +32,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningCluster]:
-    running = RunningCluster(write_topology(tmp_path_factory.mktemp("faults") / "topology.yaml"))
-    try:
-        running.wait_ready()
+    with cluster_up(write_topology(tmp_path_factory.mktemp("faults") / "topology.yaml")) as running:
         yield running
-    finally:
-        running.down()
 
 
 @pytest.fixture(scope="module")

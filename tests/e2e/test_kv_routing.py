@@ -12,7 +12,7 @@ import urllib.request
 from collections.abc import Callable, Iterator
 
 import pytest
-from e2e_support import RunningCluster, make_topology
+from e2e_support import RunningCluster, cluster_up, make_topology
 
 from router.api import pdserve_pb2 as pb
 from router.client import Completion, PdserveClient
@@ -28,12 +28,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningCluster
     topology = make_topology(
         tmp_path_factory.mktemp("kv"), pools__decode__replicas=2, router__kv_readback_ttl_s=480
     )
-    running = RunningCluster(topology)
-    try:
-        running.wait_ready()
+    with cluster_up(topology) as running:
         yield running
-    finally:
-        running.down()
 
 
 @pytest.fixture(scope="module")
