@@ -12,13 +12,16 @@ from engine.replica import EngineReplica
 
 class DecodeServer(EngineReplica):
     # replica_hint: the router's choice, read by its Serve request router (router/serve_request_router.py).
+    # replica_avoid: failed replicas the Serve request router must not choose (read there, unused here).
     async def generate(
-        self, req: EngineRequest, replica_hint: str | None = None
+        self, req: EngineRequest, replica_hint: str | None = None, replica_avoid: tuple[str, ...] = ()
     ) -> AsyncIterator[TokenBatch]:
         async for batch in self.host.generate(req):
             yield batch
 
-    async def export(self, req: EngineRequest, replica_hint: str | None = None) -> dict[str, Any] | None:
+    async def export(
+        self, req: EngineRequest, replica_hint: str | None = None, replica_avoid: tuple[str, ...] = ()
+    ) -> dict[str, Any] | None:
         """KV export: pin a prefix this replica holds for a prefill replica to pull (router/readback.py).
         Only on the replica the router chose: Serve spills a hinted call to another replica when the hinted
         one is busy, and that one would compute the whole prefix, stalling its decodes for nothing."""

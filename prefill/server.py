@@ -8,5 +8,7 @@ from engine.replica import EngineReplica
 
 class PrefillServer(EngineReplica):
     # replica_hint: the router's choice, read by its Serve request router (router/serve_request_router.py).
-    async def prefill(self, req: EngineRequest, replica_hint: str | None = None) -> PrefillResult:
+    async def prefill(
+        self, req: EngineRequest, replica_hint: str | None = None, replica_avoid: tuple[str, ...] = ()
+    ) -> PrefillResult:
         return await self.host.prefill(req)

@@ -60,6 +60,8 @@ class ClusterView:
 
     def sync(self, infos: list[ReplicaInfo]) -> None:
         current = {i.replica_id: i for i in infos}
+        # Failed replicas are remembered while the registry lists them (ids are never reused).
+        self._failed = {rid: why for rid, why in self._failed.items() if rid in current}
         for rid in [r for r in self._known if r not in current]:
             self._drop(rid)
         for rid, info in current.items():
@@ -85,6 +87,9 @@ class ClusterView:
             report = self._registry.report_failed.remote(replica_id, reason)
             # Fire and forget: the registry being away must not fail the request that found the loss.
             asyncio.ensure_future(report).add_done_callback(_log_report_error)
+
+    def failed_ids(self) -> tuple[str, ...]:
+        return tuple(self._failed)
 
     def serving(self, role: str) -> int:
         """Replicas of `role` that can take requests now."""

@@ -51,6 +51,8 @@ log = logging.getLogger(__name__)
 
 # A replica that died or vanished mid-call; Serve replaces it, and a retry goes to a healthy one.
 REPLICA_LOST = (RayActorError, ActorDiedError, ActorUnavailableError)
+# Wait before the second move of one request (and twice that before the third, ...).
+MOVE_BACKOFF_S = 0.5
 
 
 class NoReplicaError(Exception):
@@ -90,6 +92,8 @@ class Route(msgspec.Struct, frozen=True, kw_only=True):
     # The policy's reason (`Decision.reason`, e.g. "local_prefill", "prefill_overflow"); "unrouted" when no
     # decode replica was known and Serve chose.
     reason: str = "unrouted"
+    # Replicas known to have failed, which Serve may still list: never to be chosen for any leg.
+    avoid: tuple[str, ...] = ()
 
 
 class Completion(msgspec.Struct, kw_only=True):
@@ -175,6 +179,8 @@ class Orchestrator:
                 if len(moves) > attempts:
                     raise NoReplicaError(f"no replica could finish the request: {'; '.join(moves)}") from exc
                 log.warning("request %s: %s; continuing elsewhere", request_id, moves[-1])
+                if len(moves) > 1:  # failing again at once: give the cluster a moment to replace replicas
+                    await asyncio.sleep(MOVE_BACKOFF_S * (len(moves) - 1))
                 route = reroute(
                     prompt_token_ids + generated,
                     msgspec.structs.replace(sampling, max_tokens=sampling.max_tokens - len(generated)),
@@ -208,7 +214,7 @@ class Orchestrator:
                 if ticket is not None:
                     await ticket.turn()
                 prefill_result = await self._prefill_leg(
-                    request_id, prompt_token_ids, route.prefill_replica, pull, ticket
+                    request_id, prompt_token_ids, route.prefill_replica, pull, ticket, route.avoid
                 )
             finally:
                 if ticket is not None:
@@ -287,7 +293,9 @@ class Orchestrator:
             prompt_token_ids=prompt[: tokens + 1],
             sampling=Sampling(max_tokens=1),
         )
-        response = self._decode.export.remote(req, replica_hint=route.export_replica)
+        response = self._decode.export.remote(
+            req, replica_hint=route.export_replica, replica_avoid=route.avoid
+        )
         try:
             pinned = await asyncio.wait_for(response, self._export_timeout_s)
         except (*REPLICA_LOST, ReplicaFailed) as exc:
@@ -310,6 +318,7 @@ class Orchestrator:
         replica: str | None,
         pull: dict[str, Any] | None,
         ticket: Ticket | None = None,
+        avoid: tuple[str, ...] = (),
     ) -> PrefillResult:
         """`pull`: pinned decode KV of the prompt's prefix to pull instead of computing (readback). `ticket`:
         told once the leg is sent."""
@@ -321,7 +330,7 @@ class Orchestrator:
         )
         handle = self._prefill
         assert handle is not None
-        response = handle.prefill.remote(req, replica_hint=replica)
+        response = handle.prefill.remote(req, replica_hint=replica, replica_avoid=avoid)
         if ticket is not None:
             ticket.sent()
         try:
@@ -337,7 +346,9 @@ class Orchestrator:
             raise
 
     async def _decode_leg(self, req: EngineRequest, route: Route) -> AsyncGenerator[TokenBatch, None]:
-        stream = self._decode.options(stream=True).generate.remote(req, replica_hint=route.decode_replica)
+        stream = self._decode.options(stream=True).generate.remote(
+            req, replica_hint=route.decode_replica, replica_avoid=route.avoid
+        )
         streaming_from = ""  # every batch names its replica: once one came, the loss is known for sure
         finished = False
         try:

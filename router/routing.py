@@ -96,7 +96,7 @@ class RequestRouter:
             # choice still works, so serve the request without hints rather than refuse it.
             log.warning("no decode replica registered yet; %s routed without a KV-aware choice", request_id)
             self._admit(request_id, len(prompt), None, None)
-            return Route(prefill=self._has_prefill)
+            return Route(prefill=self._has_prefill, avoid=self._view.failed_ids())
         d = self._policy.choose(req, prefill, decode, self._view.index)  # NoReplicaError: UNAVAILABLE
         self._view.load.on_dispatch(req, d)
         self._admit(request_id, len(prompt), req, d)
@@ -128,6 +128,7 @@ class RequestRouter:
             export_replica=export_replica,
             export_tokens=export_tokens,
             reason=d.reason,
+            avoid=self._view.failed_ids(),
         )
 
     def _admit(self, request_id: str, tokens: int, req: RouteRequest | None, d: Decision | None) -> None:

@@ -12,6 +12,8 @@ from __future__ import annotations
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 HINT_KWARG = "replica_hint"
+# Replicas the router knows failed (their engine died) while Serve may still list them: never chosen.
+AVOID_KWARG = "replica_avoid"
 IMPORT_PATH = "router.serve_request_router:ReplicaHintRouter"
 
 
@@ -21,11 +23,16 @@ class ReplicaHintRouter(RequestRouter):
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
-        hint = pending_request.kwargs.get(HINT_KWARG) if pending_request is not None else None
+        kwargs = pending_request.kwargs if pending_request is not None else {}
+        avoid = set(kwargs.get(AVOID_KWARG) or ())
+        usable = [r for r in candidate_replicas if r.replica_id.unique_id not in avoid]
+        hint = kwargs.get(HINT_KWARG)
         if hint:
-            target = [r for r in candidate_replicas if r.replica_id.unique_id == hint]
+            target = [r for r in usable if r.replica_id.unique_id == hint]
             if target:
                 # The hinted replica first; if it is at max_ongoing_requests, spill to the others rather
                 # than queue (the request loses its cache locality, never its turn).
-                return [target, [r for r in candidate_replicas if r.replica_id.unique_id != hint]]
-        return [candidate_replicas]
+                return [target, [r for r in usable if r.replica_id.unique_id != hint]]
+        # Empty when every candidate failed (e.g. the replacement is not in Serve's list yet): Serve backs off
+        # and asks again as its list changes, instead of sending the request to a dead engine.
+        return [usable]

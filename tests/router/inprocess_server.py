@@ -53,7 +53,9 @@ class _Decode:
     def generate(self) -> _Decode:
         return self
 
-    def remote(self, req: EngineRequest, replica_hint: str | None = None) -> Any:
+    def remote(
+        self, req: EngineRequest, replica_hint: str | None = None, replica_avoid: tuple[str, ...] = ()
+    ) -> Any:
         return _Stream(req)
 
 

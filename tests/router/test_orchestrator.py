@@ -60,7 +60,9 @@ class FakePrefill:
         self.calls: list[tuple[EngineRequest, str | None]] = []
         self.prefill = self
 
-    def remote(self, req: EngineRequest, replica_hint: str | None = None) -> _Call:
+    def remote(
+        self, req: EngineRequest, replica_hint: str | None = None, replica_avoid: tuple[str, ...] = ()
+    ) -> _Call:
         self.calls.append((req, replica_hint))
         return _Call(self.results.pop(0))
 
@@ -71,13 +73,17 @@ class FakeDecode:
         self.calls: list[tuple[EngineRequest, str | None]] = []
         self.generate = self
         self.opened: list[_Stream] = []
+        self.avoided: list[tuple[str, ...]] = []
 
     def options(self, stream: bool) -> FakeDecode:
         assert stream
         return self
 
-    def remote(self, req: EngineRequest, replica_hint: str | None = None) -> _Stream:
+    def remote(
+        self, req: EngineRequest, replica_hint: str | None = None, replica_avoid: tuple[str, ...] = ()
+    ) -> _Stream:
         self.calls.append((req, replica_hint))
+        self.avoided.append(replica_avoid)
         s = _Stream(self.streams.pop(0))
         self.opened.append(s)
         return s
@@ -227,6 +233,33 @@ async def test_a_decode_replica_lost_mid_stream_continues_elsewhere_from_the_tok
     assert "continued after decode replica D1: its replica process died after 1 tokens" in done.note
 
 
+async def test_a_continuation_tells_serve_which_replicas_failed() -> None:
+    """Serve may still list a replica whose engine died: the route's `avoid` travels with every call."""
+    decode = FakeDecode(
+        [[tokens(11), ReplicaFailed("D1", "its vLLM engine core died")], [tokens(12, 13, final=True)]]
+    )
+    orch = Orchestrator(FakePrefill([]), decode, block_size=32)
+    failover = Failover(Route(prefill=False, decode_replica="D2", avoid=("D1",)))
+    await serve(orch, Route(prefill=False, decode_replica="D1"), failover)
+    assert decode.avoided == [(), ("D1",)]
+
+
+async def test_failing_again_at_once_waits_before_the_next_move(monkeypatch: pytest.MonkeyPatch) -> None:
+    slept: list[float] = []
+
+    async def sleep(s: float) -> None:
+        if s:  # the stand-in streams yield with sleep(0)
+            slept.append(s)
+
+    monkeypatch.setattr("router.orchestrator.asyncio.sleep", sleep)
+    dead = ReplicaFailed("D1", "its vLLM engine core died")
+    decode = FakeDecode([[dead], [dead], [dead], [tokens(1, 2, 3, final=True)]])
+    orch = Orchestrator(FakePrefill([]), decode, block_size=32)
+    failover = Failover(*[Route(prefill=False, decode_replica="D1")] * 3)
+    ids, _ = await serve(orch, Route(prefill=False, decode_replica="D1"), failover, attempts=3)
+    assert ids == [1, 2, 3] and slept == [0.5, 1.0]  # the first move at once
+
+
 async def test_a_failed_engine_names_itself_and_the_request_goes_on() -> None:
     decode = FakeDecode(
         [[tokens(11), ReplicaFailed("D1", "its vLLM engine core died")], [tokens(12, 13, final=True)]]
@@ -294,7 +327,9 @@ class FakeExport:
         self.result = result
         self.calls: list[tuple[EngineRequest, str | None]] = []
 
-    def remote(self, req: EngineRequest, replica_hint: str | None = None) -> _Call:
+    def remote(
+        self, req: EngineRequest, replica_hint: str | None = None, replica_avoid: tuple[str, ...] = ()
+    ) -> _Call:
         self.calls.append((req, replica_hint))
         return _Call(self.result)
 
@@ -341,7 +376,9 @@ class SlowExport(FakeExport):
         super().__init__(result)
         self.release = release
 
-    def remote(self, req: EngineRequest, replica_hint: str | None = None) -> Any:
+    def remote(
+        self, req: EngineRequest, replica_hint: str | None = None, replica_avoid: tuple[str, ...] = ()
+    ) -> Any:
         self.calls.append((req, replica_hint))
         release, result = self.release, self.result
 
