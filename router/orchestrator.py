@@ -156,12 +156,15 @@ class Orchestrator:
         generated: list[int] = []
         moves: list[str] = []
         first_token_ms: float | None = None
+
+        def left() -> Sampling:  # what the continuation may still generate
+            return msgspec.structs.replace(sampling, max_tokens=sampling.max_tokens - len(generated))
+
         while True:
-            leg_sampling = msgspec.structs.replace(sampling, max_tokens=sampling.max_tokens - len(generated))
             leg_id = f"{request_id}.{len(moves)}" if moves else request_id
             try:
                 async for event in self.run(
-                    leg_id, prompt_token_ids + generated, leg_sampling, route, on_prefill_done
+                    leg_id, prompt_token_ids + generated, left(), route, on_prefill_done
                 ):
                     if isinstance(event, TokenBatch):
                         if event.token_ids and first_token_ms is None:
@@ -181,10 +184,7 @@ class Orchestrator:
                 log.warning("request %s: %s; continuing elsewhere", request_id, moves[-1])
                 if len(moves) > 1:  # failing again at once: give the cluster a moment to replace replicas
                     await asyncio.sleep(MOVE_BACKOFF_S * (len(moves) - 1))
-                route = reroute(
-                    prompt_token_ids + generated,
-                    msgspec.structs.replace(sampling, max_tokens=sampling.max_tokens - len(generated)),
-                )
+                route = reroute(prompt_token_ids + generated, left())
 
     async def run(
         self,

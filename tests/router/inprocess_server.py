@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from grpc_health.v1 import health_pb2
 from ports import free_port
 
 from engine.messages import EngineRequest, TokenBatch
@@ -114,7 +115,7 @@ def endpoint(*, tls: tuple[bytes, bytes] | None = None, auth_token: str | None =
         server, health = await start_grpc_server(
             service, host="127.0.0.1", port=port, tls=tls, auth_token=auth_token
         )
-        await health.set("", pb_health_serving())
+        await health.set("", health_pb2.HealthCheckResponse.SERVING)
         stop.append(asyncio.Event())
         started.set()
         await stop[0].wait()
@@ -129,9 +130,3 @@ def endpoint(*, tls: tuple[bytes, bytes] | None = None, auth_token: str | None =
     finally:
         loop.call_soon_threadsafe(stop[0].set)
         thread.join(timeout=30)
-
-
-def pb_health_serving() -> Any:
-    from grpc_health.v1 import health_pb2
-
-    return health_pb2.HealthCheckResponse.SERVING
