@@ -19,6 +19,15 @@ class DecodeServer(EngineReplica):
         async for batch in self.host.generate(req):
             yield batch
 
+    async def release(
+        self,
+        kv_transfer_params: dict[str, Any],
+        replica_hint: str | None = None,
+        replica_avoid: tuple[str, ...] = (),
+    ) -> bool:
+        """Free a prefill engine's KV that no decode leg will pull (engine/host.py `release`)."""
+        return await self.host.release(kv_transfer_params)
+
     async def export(
         self, req: EngineRequest, replica_hint: str | None = None, replica_avoid: tuple[str, ...] = ()
     ) -> dict[str, Any] | None:

@@ -211,6 +211,10 @@ class DoubleEngineHost:
             "remote_num_tokens": len(prompt),
         }
 
+    async def release(self, kv_transfer_params: dict[str, Any]) -> bool:
+        """The double's prefill keeps no KV for a decode to pull: there is nothing to free."""
+        return False
+
     async def abort(self, request_id: str) -> None:
         if request_id in self._running_tokens:
             self._aborted.add(request_id)

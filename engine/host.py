@@ -8,6 +8,7 @@ producer (computes the prompt, keeps its blocks until decode reads them), a deco
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import os
 import socket
@@ -34,6 +35,11 @@ from engine.stats import EngineCounters, counters_logger_factory
 log = logging.getLogger(__name__)
 
 # The prefill leg asks vLLM to keep the prompt's KV for a remote decode (vLLM's NixlConnector protocol).
+# Prefill request ids remembered by `release` (see `_hand`): far more than can be in flight at once.
+_HANDED_KEPT = 65536
+# When an idle decode engine steps after a `release` (see there): the NIXL handshake takes ~0.1 s on loopback.
+_KICK_DELAYS_S = (0.25, 1.0, 3.0)
+
 _PREFILL_KV_PARAMS: dict[str, Any] = {
     "do_remote_decode": True,
     "do_remote_prefill": False,
@@ -101,6 +107,10 @@ class EngineHost:
         self._failed = asyncio.Event()
         self._inflight = 0
         self._busy_since = time.monotonic()
+        # Prefill requests whose KV this engine was handed (pulled, or released by vLLM's abort path):
+        # `release` must not tell their prefill engine a second time. Bounded: only recent ids can race.
+        self._handed: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._kicks: set[asyncio.Task[None]] = set()
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
@@ -211,7 +221,13 @@ class EngineHost:
     async def generate(self, req: EngineRequest) -> AsyncIterator[TokenBatch]:
         """Generate and stream tokens in batches: the first token at once (TTFT), then by count or
         time, whichever comes first. Cancelling the iterator aborts the request in the engine."""
-        params = self._sampling_params(req.sampling, req.kv_transfer_params)
+        kv = req.kv_transfer_params
+        if kv and kv.get("do_remote_prefill") and not self._hand(str(kv.get("remote_request_id", ""))):
+            # Released already (the router gave this request up, then it arrived anyway): the prefill
+            # engine may have reused those blocks, so compute the prompt here instead of pulling them.
+            log.warning("%s: its prefill KV was released; computing the prompt locally", req.request_id)
+            kv = None
+        params = self._sampling_params(req.sampling, kv)
         max_batch = self.spec.stream_batch_tokens
         max_wait = self.spec.stream_batch_ms / 1e3
         ids: list[int] = []
@@ -322,6 +338,49 @@ class EngineHost:
 
     async def abort(self, request_id: str) -> None:
         await self._llm.abort(request_id)
+
+    async def release(self, kv_transfer_params: dict[str, Any]) -> bool:
+        """Tell a prefill engine to free the KV it keeps for a decode that will never pull it (the request
+        was cancelled, expired or moved before its decode leg reached an engine); without this the blocks
+        stay held until vLLM's KV lease runs out (30 s). False: this engine was handed that request itself,
+        and vLLM's abort path has told the prefill engine already."""
+        if (reason := self.failure()) is not None:
+            raise ReplicaFailed(self.replica_id, reason)
+        remote_id = str(kv_transfer_params.get("remote_request_id", ""))
+        if not self._hand(remote_id):
+            return False
+        # vLLM's own hook for a transfer the serving layer rejected: a request aborted before it is
+        # scheduled, whose connector notifies the prefill engine without reading.
+        await self._llm.notify_kv_transfer_request_rejected(f"release-{remote_id}", kv_transfer_params)
+        if self._inflight == 0:
+            # The notification goes out at an engine step, and the first one to a prefill engine only once
+            # the NIXL handshake with it is done: an idle engine has no next step, so make a few.
+            task = asyncio.get_running_loop().create_task(self._step_soon(remote_id))
+            self._kicks.add(task)
+            task.add_done_callback(self._kicks.discard)
+        return True
+
+    async def _step_soon(self, tag: str) -> None:
+        """A few one-token engine steps over the next seconds (a one-token prompt caches no block)."""
+        for i, delay in enumerate(_KICK_DELAYS_S):
+            await asyncio.sleep(delay)
+            req = EngineRequest(
+                request_id=f"step-{tag}-{i}", prompt_token_ids=[0], sampling=Sampling(max_tokens=1)
+            )
+            try:
+                async for _ in self._outputs(req, self._sampling_params(req.sampling, None)):
+                    pass
+            except ReplicaFailed:
+                return  # the replica is being replaced: its failure is reported by the watchdog
+
+    def _hand(self, remote_request_id: str) -> bool:
+        """Record that the prefill request's KV has been handed to this engine; False if it already was."""
+        if not remote_request_id or remote_request_id in self._handed:
+            return False
+        self._handed[remote_request_id] = None
+        if len(self._handed) > _HANDED_KEPT:
+            self._handed.popitem(last=False)
+        return True
 
     def _sampling_params(self, s: Sampling, kv_transfer_params: dict[str, Any] | None) -> Any:
         from vllm.sampling_params import RequestOutputKind, SamplingParams

@@ -135,6 +135,7 @@ class Orchestrator:
         self._block_size = block_size
         self._export_timeout_s = export_timeout_s
         self._order = LegOrder()
+        self._releases: set[asyncio.Task[None]] = set()  # held so that a running release is not collected
 
     async def serve(
         self,
@@ -242,7 +243,10 @@ class Orchestrator:
         generated: list[int] = []
         ttft_ms = 0.0
         # aclosing: if our consumer stops early, the decode stream is cancelled now, not at GC time.
-        async with contextlib.aclosing(self._decode_leg(decode_req, route)) as batches:
+        async with (
+            contextlib.aclosing(self._decode_leg(decode_req, route)) as leg,
+            contextlib.aclosing(self._releasing_unpulled_kv(leg, path, kv_params, route)) as batches,
+        ):
             async for batch in batches:
                 if batch.token_ids and completion_tokens == 0:
                     ttft_ms = (time.monotonic() - started) * 1e3
@@ -279,6 +283,43 @@ class Orchestrator:
                 )
                 return
         raise RuntimeError(f"decode stream for {request_id} ended without a final batch")
+
+    async def _releasing_unpulled_kv(
+        self,
+        batches: AsyncIterator[TokenBatch],
+        path: ServingPath,
+        kv_params: dict[str, Any] | None,
+        route: Route,
+    ) -> AsyncGenerator[TokenBatch, None]:
+        """`batches`; if the decode leg ends before its first batch (cancelled, expired, its replica lost),
+        the prefill engine is told to free the prompt's KV now rather than when vLLM's lease runs out."""
+        pulled = path != "disaggregated"
+        avoid = route.avoid
+        try:
+            async for batch in batches:
+                pulled = True  # a first token: the decode engine has read the KV
+                yield batch
+        except LegFailed as exc:
+            avoid = (*avoid, exc.replica_id) if exc.replica_id else avoid  # a failed engine frees nothing
+            raise
+        finally:
+            if not pulled:
+                release = self._release(kv_params or {}, route.decode_replica, avoid)
+                task = asyncio.get_running_loop().create_task(release)
+                self._releases.add(task)
+                task.add_done_callback(self._releases.discard)
+
+    async def _release(self, kv_params: dict[str, Any], replica: str | None, avoid: tuple[str, ...]) -> None:
+        """Ask a decode replica (the chosen one, which may hold the request) to free `kv_params`' KV."""
+        try:
+            released = await asyncio.wait_for(
+                self._decode.release.remote(kv_params, replica_hint=replica, replica_avoid=avoid),
+                self._export_timeout_s,
+            )
+        except (*REPLICA_LOST, ReplicaFailed, TimeoutError) as exc:
+            log.warning("could not release prefill KV %s: %s", kv_params.get("remote_request_id"), exc)
+            return
+        log.info("prefill KV %s released: %s", kv_params.get("remote_request_id"), released)
 
     async def _export(
         self, request_id: str, prompt: list[int], route: Route

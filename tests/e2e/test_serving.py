@@ -208,3 +208,23 @@ def test_list_models_health_and_metrics(client: PdserveClient, cluster: Any) -> 
     assert 'pdserve_requests_total{code="OK"}' in body
     assert 'pdserve_requests_total{code="INVALID_ARGUMENT"}' in body
     assert "pdserve_ttft_seconds_bucket" in body
+
+
+def test_a_prefill_whose_kv_no_decode_will_pull_is_freed_at_once_when_released(cluster: Any) -> None:
+    """What the router does for a request cancelled, expired or moved between its legs (router/orchestrator.py
+    `_releasing_unpulled_kv`): the decode replica tells the prefill engine, over NIXL, to free the KV it keeps
+    for the pull, instead of holding it until vLLM's 30 s lease runs out. Run last: it adds engine steps."""
+    probe = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("kv_release_probe.py")), str(19 * BLOCK)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=REPO,
+    )
+    lines = [line for line in probe.stdout.splitlines() if line.startswith("PROBE ")]
+    assert lines, probe.stdout[-2000:] + probe.stderr[-2000:]
+    found = json.loads(lines[-1].removeprefix("PROBE "))
+    assert found["held_min"] > 0, "the prefill engine kept no KV for the decode leg"
+    assert found["released"] is True
+    assert found["freed_after_s"] is not None and found["freed_after_s"] < 5, found
+    assert found["again"] is False, "a second release must not notify the prefill engine again"

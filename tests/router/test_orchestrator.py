@@ -35,8 +35,11 @@ class _Call:
         self.cancelled = True
 
 
+HANG = object()  # a stream that never sends its next batch
+
+
 class _Stream:
-    def __init__(self, batches: list[TokenBatch | BaseException]) -> None:
+    def __init__(self, batches: list[Any]) -> None:
         self._batches = batches
         self.cancelled = False
 
@@ -46,6 +49,8 @@ class _Stream:
     async def _gen(self) -> AsyncIterator[TokenBatch]:
         for b in self._batches:
             await asyncio.sleep(0)
+            if b is HANG:
+                await asyncio.Event().wait()
             if isinstance(b, BaseException):
                 raise b
             yield b
@@ -68,12 +73,13 @@ class FakePrefill:
 
 
 class FakeDecode:
-    def __init__(self, streams: list[list[TokenBatch | BaseException]]) -> None:
+    def __init__(self, streams: list[list[Any]]) -> None:
         self.streams = streams
         self.calls: list[tuple[EngineRequest, str | None]] = []
         self.generate = self
         self.opened: list[_Stream] = []
         self.avoided: list[tuple[str, ...]] = []
+        self.release = FakeRelease()
 
     def options(self, stream: bool) -> FakeDecode:
         assert stream
@@ -87,6 +93,17 @@ class FakeDecode:
         s = _Stream(self.streams.pop(0))
         self.opened.append(s)
         return s
+
+
+class FakeRelease:
+    def __init__(self) -> None:
+        self.calls: list[tuple[dict[str, Any], str | None, tuple[str, ...]]] = []
+
+    def remote(
+        self, kv: dict[str, Any], replica_hint: str | None = None, replica_avoid: tuple[str, ...] = ()
+    ) -> _Call:
+        self.calls.append((kv, replica_hint, replica_avoid))
+        return _Call(True)
 
 
 def prefill_result(kv: dict[str, Any] | None) -> PrefillResult:
@@ -290,6 +307,51 @@ async def test_a_consumer_that_stops_early_cancels_the_decode_stream() -> None:
     assert isinstance(first, TokenBatch)
     await events.aclose()  # the client went away
     assert decode.opened[0].cancelled
+
+
+async def settled() -> None:
+    """Let the orchestrator's background releases run."""
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+async def test_a_request_cancelled_before_decode_pulled_its_kv_frees_it_on_the_prefill_engine() -> None:
+    decode = FakeDecode([[HANG]])
+    orch = Orchestrator(FakePrefill([prefill_result(KV)]), decode, block_size=32)
+    task = asyncio.ensure_future(run(orch, Route(prefill=True, prefill_replica="P1", decode_replica="D1")))
+    await settled()  # prefilled; the decode call is out, its first batch never comes
+    assert decode.calls
+    task.cancel()  # the client left, or its deadline passed
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await settled()
+    # Asked of the chosen decode replica: if it holds the request, vLLM's abort there has freed it already.
+    assert decode.release.calls == [(KV, "D1", ())]
+
+
+async def test_a_decode_replica_failing_before_it_pulled_the_kv_has_another_one_free_it() -> None:
+    decode = FakeDecode([[ReplicaFailed("D1", "its vLLM engine core died")], [tokens(1, 2, 3, final=True)]])
+    orch = Orchestrator(FakePrefill([prefill_result(KV), prefill_result(KV)]), decode, block_size=32)
+    failover = Failover(Route(prefill=True, decode_replica="D2"))
+    ids, _ = await serve(orch, Route(prefill=True, decode_replica="D1"), failover)
+    await settled()
+    assert ids == [1, 2, 3]
+    assert decode.release.calls == [(KV, "D1", ("D1",))]  # Serve chooses another replica to tell P
+
+
+@pytest.mark.parametrize(
+    ("route", "prefilled"),
+    [(Route(prefill=True), KV), (Route(prefill=True), None), (Route(prefill=False), None)],
+    ids=["pulled", "no-kv-params", "local-prefill"],
+)
+async def test_no_release_when_there_is_no_unpulled_kv(route: Route, prefilled: Any) -> None:
+    decode = FakeDecode([[tokens(1), HANG]])
+    orch = Orchestrator(FakePrefill([prefill_result(prefilled)]), decode, block_size=32)
+    events = orch.run("r", PROMPT, Sampling(max_tokens=3), route)
+    await anext(events)
+    await events.aclose()
+    await settled()
+    assert decode.release.calls == []
 
 
 PIN = {"do_remote_decode": True, "remote_engine_id": "decode-D1", "remote_block_ids": [[4, 5]]}
