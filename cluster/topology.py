@@ -91,6 +91,10 @@ class Model(_Config, frozen=True, kw_only=True):
     dtype: Dtype = "float32"  # float32 on CPU avoids the bf16 AMX pitfall; GPUs use bfloat16 or auto
     max_model_len: PositiveInt = 2048
     trust_remote_code: bool = False
+    # vLLM's parser of the model's tool calls (`tool_choice: auto`; e.g. hermes, kimi_k2) and of its reasoning
+    # (e.g. deepseek_r1, kimi_k2). Unset: "hermes" for the built-in model (its template's format), else none.
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
     # "double": engine/double.py, a TEST DOUBLE that streams deterministic tokens without vLLM (fast cluster
     # tests of scaling, rolling and failures); never for serving or for tests that claim real serving.
     engine: Literal["vllm", "double"] = "vllm"
@@ -469,6 +473,7 @@ def _check_model(topo: Topology) -> None:
         raise TopologyError("model.source", "must be 'builtin:<name>' or a model directory")
     if not model.name:
         raise TopologyError("model.name", "must not be empty")
+    _check_parsers(model)
     if model.block_size % 16:
         raise TopologyError("model.block_size", f"must be a multiple of 16, got {model.block_size}")
     cpu_pools = [role for role, pool in topo.pools.items() if pool.replicas and not pool.uses_gpus]
@@ -478,6 +483,24 @@ def _check_model(topo: Topology) -> None:
             f"CPU attention needs a multiple of 32 (pools.{cpu_pools[0]} runs on CPU),"
             f" got {model.block_size}",
         )
+
+
+def _check_parsers(model: Model) -> None:
+    from router.output_parser import reasoning_parser_names, tool_parser_names
+
+    for field, name, known in (
+        ("tool_call_parser", model.tool_call_parser, tool_parser_names),
+        ("reasoning_parser", model.reasoning_parser, reasoning_parser_names),
+    ):
+        if name is not None and name not in (names := known()):
+            raise TopologyError(f"model.{field}", f"unknown parser {name!r}; vLLM has: {', '.join(names)}")
+
+
+def tool_call_parser(model: Model) -> str | None:
+    """The model's tool-call parser: the topology's, or the built-in model's own (hermes)."""
+    if model.tool_call_parser is None and model.source.startswith("builtin:"):
+        return "hermes"
+    return model.tool_call_parser
 
 
 def _check_pool(role: str, pool: Pool) -> None:

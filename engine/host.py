@@ -20,6 +20,7 @@ from typing import Any
 
 from engine.messages import (
     PIN_ONLY_KV_PARAMS,
+    Constraint,
     EngineRequest,
     EngineStats,
     PrefillResult,
@@ -194,6 +195,13 @@ class EngineHost:
                 "topic": "kv",
             }
         kwargs.update(spec.engine_args)
+        if isinstance(kwargs.get("structured_outputs_config"), dict):
+            # vLLM's engine args convert most config dicts from YAML themselves, but not this one.
+            from vllm.config import StructuredOutputsConfig
+
+            kwargs["structured_outputs_config"] = StructuredOutputsConfig(
+                **kwargs["structured_outputs_config"]
+            )
         return kwargs
 
     # ---- serving -------------------------------------------------------------------------------
@@ -390,9 +398,16 @@ class EngineHost:
             temperature=s.temperature,
             top_p=s.top_p,
             top_k=0 if s.top_k == -1 else s.top_k,
+            min_p=s.min_p,
             seed=s.seed,
             stop=list(s.stop) or None,
+            stop_token_ids=list(s.stop_token_ids) or None,
             ignore_eos=s.ignore_eos,
+            frequency_penalty=s.frequency_penalty,
+            presence_penalty=s.presence_penalty,
+            repetition_penalty=s.repetition_penalty,
+            skip_special_tokens=s.skip_special_tokens,
+            structured_outputs=structured_outputs(s.constraint),
             output_kind=RequestOutputKind.DELTA,
             extra_args={"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None,
         )
@@ -438,3 +453,18 @@ class EngineHost:
         if (reason := self.failure()) is not None:
             raise RuntimeError(reason)
         await self._llm.check_health()
+
+
+def structured_outputs(c: Constraint | None) -> Any:
+    """vLLM's structured-output parameters for a constraint (None: unconstrained)."""
+    if c is None:
+        return None
+    from vllm.sampling_params import StructuredOutputsParams
+
+    if c.json_schema is not None:
+        return StructuredOutputsParams(json=c.json_schema)
+    if c.json_object:
+        return StructuredOutputsParams(json_object=True)
+    if c.regex is not None:
+        return StructuredOutputsParams(regex=c.regex)
+    return StructuredOutputsParams(choice=list(c.choice or ()))

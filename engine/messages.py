@@ -16,6 +16,16 @@ FinishReason = Literal["stop", "length", "abort"]
 ServingPath = Literal["disaggregated", "local_prefill", "decode_full_prefill"]
 
 
+class Constraint(msgspec.Struct, frozen=True, kw_only=True):
+    """What the output must match (vLLM structured outputs, applied on the engine that samples the output:
+    decode). Exactly one field is set."""
+
+    json_schema: dict[str, Any] | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+
+
 class Sampling(msgspec.Struct, frozen=True, kw_only=True):
     """Validated sampling parameters (the router checked every range before building this)."""
 
@@ -26,6 +36,14 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True):
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    # Off when the output is parsed for tool calls: some models' tool-call markers are special tokens.
+    skip_special_tokens: bool = True
+    constraint: Constraint | None = None
 
 
 # NixlConnector params that move no KV. With KV readback on (vLLM's bidirectional transfer), a decode engine

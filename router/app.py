@@ -17,13 +17,14 @@ from typing import Any
 from grpc_health.v1.health_pb2 import HealthCheckResponse
 from ray import serve
 
-from cluster.topology import Router, Topology
+from cluster.topology import Router, Topology, tool_call_parser
 from engine.messages import ReplicaInfo
 from router.api import pdserve_pb2 as pb
 from router.chat_encoder import SessionChatEncoder
 from router.cluster_view import ClusterView
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator
+from router.output_parser import OutputParsers
 from router.policy.cost import CostWeights
 from router.policy.selector import PdservePolicy, PdservePolicyConfig
 from router.readback import ReadbackTable
@@ -76,6 +77,9 @@ class RouterProcess:
         self.service = PdserveService(
             tokenizer=tokenizer,
             chat_encoder=SessionChatEncoder(tokenizer, on_encoded=self.metrics.on_chat_encoded),
+            parsers=OutputParsers(
+                tokenizer.hf_tokenizer, tool_call_parser(topo.model), topo.model.reasoning_parser
+            ),
             limits=ModelLimits(
                 served_name=topo.model.name,
                 max_model_len=topo.model.max_model_len,

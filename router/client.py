@@ -33,8 +33,12 @@ from router.api import pdserve_pb2_grpc
 
 _MESSAGE_KEYS = frozenset({"role", "content", "tool_calls", "tool_call_id", "name"})
 
-FinishReason = Literal["stop", "length", "unspecified"]
-_FINISH_REASONS: dict[int, FinishReason] = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
+FinishReason = Literal["stop", "length", "tool_calls", "unspecified"]
+_FINISH_REASONS: dict[int, FinishReason] = {
+    pb.FINISH_REASON_STOP: "stop",
+    pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_TOOL_CALLS: "tool_calls",
+}
 
 
 class PdserveError(Exception):
@@ -60,6 +64,17 @@ class GenerateFields(TypedDict, total=False):
     seed: int
     stop: Sequence[str]
     ignore_eos: bool
+    stop_token_ids: Sequence[int]
+    frequency_penalty: float
+    presence_penalty: float
+    repetition_penalty: float
+    min_p: float
+    # "auto", "none", "required", or a function's name.
+    tool_choice: str
+    parallel_tool_calls: bool
+    # OpenAI's shape: {"type": "json_schema", "json_schema": {"schema": {...}}} or {"type": "json_object"};
+    # and vLLM's extras {"type": "regex", "regex": "..."}, {"type": "choice", "choice": [...]}.
+    response_format: Mapping[str, Any]
     session_id: str
     request_id: str
     model: str
@@ -73,6 +88,9 @@ class Completion:
     text: str
     token_ids: list[int]
     finish_reason: FinishReason
+    # The model's tool calls, whole: {"id", "name", "arguments"} (arguments: JSON text).
+    tool_calls: list[dict[str, str]]
+    reasoning_text: str
     # The stop string that ended generation ("" if none).
     stop_reason: str
     usage: pb.Usage
@@ -91,7 +109,14 @@ def generate_request(**fields: Unpack[GenerateFields]) -> pb.GenerateRequest:
         seed=fields.get("seed"),
         stop=fields.get("stop"),
         ignore_eos=fields.get("ignore_eos"),
+        stop_token_ids=fields.get("stop_token_ids"),
+        frequency_penalty=fields.get("frequency_penalty"),
+        presence_penalty=fields.get("presence_penalty"),
+        repetition_penalty=fields.get("repetition_penalty"),
+        min_p=fields.get("min_p"),
     )
+    choice = fields.get("tool_choice")
+    fmt = fields.get("response_format")
     return pb.GenerateRequest(
         model=fields.get("model", ""),
         prompt=fields.get("prompt", ""),
@@ -101,7 +126,36 @@ def generate_request(**fields: Unpack[GenerateFields]) -> pb.GenerateRequest:
         sampling=sampling,
         session_id=fields.get("session_id", ""),
         request_id=fields.get("request_id", ""),
+        tool_choice=None if choice is None else tool_choice(choice),
+        parallel_tool_calls=fields.get("parallel_tool_calls"),
+        response_format=None if fmt is None else response_format(fmt),
     )
+
+
+def tool_choice(choice: str) -> pb.ToolChoice:
+    """ "auto", "none", "required", or the name of the function to call."""
+    modes = {
+        "auto": pb.ToolChoice.MODE_AUTO,
+        "none": pb.ToolChoice.MODE_NONE,
+        "required": pb.ToolChoice.MODE_REQUIRED,
+    }
+    if choice in modes:
+        return pb.ToolChoice(mode=modes[choice])
+    return pb.ToolChoice(mode=pb.ToolChoice.MODE_FUNCTION, function_name=choice)
+
+
+def response_format(fmt: Mapping[str, Any]) -> pb.ResponseFormat:
+    kind = fmt.get("type")
+    if kind == "json_schema":
+        spec = fmt.get("json_schema", {})
+        return pb.ResponseFormat(json_schema=_json_text(spec.get("schema", spec)))
+    if kind == "json_object":
+        return pb.ResponseFormat(json_object=True)
+    if kind == "regex":
+        return pb.ResponseFormat(regex=fmt["regex"])
+    if kind == "choice":
+        return pb.ResponseFormat(choice=pb.ResponseFormat.Choices(choices=list(fmt["choice"])))
+    raise ValueError(f"response_format type must be json_schema, json_object, regex or choice; got {kind!r}")
 
 
 def tokenize_request(
@@ -162,13 +216,21 @@ class _CompletionBuilder:
     def __init__(self) -> None:
         self.request_id = ""
         self.text: list[str] = []
+        self.reasoning: list[str] = []
         self.token_ids: list[int] = []
+        self.calls: dict[int, dict[str, str]] = {}
         self.final: pb.Final | None = None
 
     def add(self, response: pb.GenerateResponse) -> None:
         self.request_id = response.request_id or self.request_id
         self.text.append(response.text)
+        self.reasoning.append(response.reasoning_text)
         self.token_ids.extend(response.token_ids)
+        for delta in response.tool_calls:
+            call = self.calls.setdefault(delta.index, {"id": "", "name": "", "arguments": ""})
+            call["id"] = call["id"] or delta.id
+            call["name"] = call["name"] or delta.name
+            call["arguments"] += delta.arguments_json
         if response.HasField("final"):
             self.final = response.final
 
@@ -180,6 +242,8 @@ class _CompletionBuilder:
             text="".join(self.text),
             token_ids=self.token_ids,
             finish_reason=_FINISH_REASONS.get(self.final.finish_reason, "unspecified"),
+            tool_calls=[self.calls[i] for i in sorted(self.calls)],
+            reasoning_text="".join(self.reasoning),
             stop_reason=self.final.stop_reason,
             usage=self.final.usage,
             served_by=self.final.served_by,

@@ -180,6 +180,13 @@ class Orchestrator:
                 if exc.replica_id:
                     on_replica_failed(exc.replica_id, exc.reason)
                 moves.append(f"{exc} after {len(generated)} tokens")
+                if sampling.constraint is not None and generated:
+                    # vLLM starts a grammar at the output's first token: a continuation would start the
+                    # constrained output over after what the client already has.
+                    raise NoReplicaError(
+                        f"{moves[-1]}; a request with a response format or a required tool call cannot "
+                        "continue on another replica once its output has begun"
+                    ) from exc
                 if len(moves) > attempts:
                     raise NoReplicaError(f"no replica could finish the request: {'; '.join(moves)}") from exc
                 log.warning("request %s: %s; continuing elsewhere", request_id, moves[-1])

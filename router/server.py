@@ -31,6 +31,7 @@ from router.block_hash import PromptReuse
 from router.chat_encoder import SessionChatEncoder
 from router.metrics import RouterMetrics
 from router.orchestrator import Completion, NoReplicaError, Orchestrator, Route
+from router.output_parser import OutputParser, OutputParsers, ParsedDelta
 from router.policy.types import NoReplicaError as NoEligibleReplica
 from router.routing import Overloaded, RequestRouter
 from router.token_sessions import SessionTokenIds, TokenIdsTurn
@@ -39,6 +40,7 @@ from router.validation import (
     InvalidRequest,
     ModelLimits,
     PromptInput,
+    check_constraint,
     check_prompt_length,
     validate_generate,
     validate_tokenize,
@@ -46,7 +48,11 @@ from router.validation import (
 
 log = logging.getLogger(__name__)
 
-_FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
+_FINISH = {
+    "stop": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "tool_calls": pb.FINISH_REASON_TOOL_CALLS,
+}
 _PATH = {
     "disaggregated": pb.SERVING_PATH_DISAGGREGATED,
     "local_prefill": pb.SERVING_PATH_LOCAL_PREFILL,
@@ -80,6 +86,7 @@ class PdserveService(pb_grpc.PdserveServicer):
         *,
         tokenizer: PromptTokenizer,
         chat_encoder: SessionChatEncoder,
+        parsers: OutputParsers,
         limits: ModelLimits,
         block_size: int,
         orchestrator: Orchestrator,
@@ -90,6 +97,7 @@ class PdserveService(pb_grpc.PdserveServicer):
     ) -> None:
         self._tokenizer = tokenizer
         self._chat = chat_encoder
+        self._parsers = parsers
         self._limits = limits
         self._block_size = block_size
         self._orchestrator = orchestrator
@@ -132,10 +140,20 @@ class PdserveService(pb_grpc.PdserveServicer):
         turn = self._token_sessions.start(call.request, call.raw)
         try:
             valid = validate_generate(call.request, self._limits, None if turn is None else turn.prior)
+            tool_use = valid.tool_use
+            if tool_use is not None and tool_use.choice == "auto" and not self._parsers.parses_tools:
+                raise InvalidRequest(
+                    "tool_choice",
+                    "auto needs model.tool_call_parser in the topology; use none, required or a function",
+                )
+            sampling = self._parsers.engine_sampling(valid.sampling, tool_use)
+            if sampling.constraint is not None:
+                await asyncio.to_thread(check_constraint, sampling)
             prompt_ids, reuse = await self._encode(valid.input, valid.session_id or None, turn)
-            check_prompt_length(len(prompt_ids), valid.sampling, self._limits, input_field=valid.input.kind)
+            check_prompt_length(len(prompt_ids), sampling, self._limits, input_field=valid.input.kind)
         except (InvalidRequest, ChatInputError) as exc:
             raise _Aborted(grpc.StatusCode.INVALID_ARGUMENT, f"{exc.field}: {exc.message}") from exc
+        output = self._parsers.parser(tool_use)
         if turn is not None:
             self._token_sessions.finish(turn, prompt_ids)
             self._metrics.on_token_ids(len(turn.prior or ()), len(prompt_ids) - len(turn.prior or ()))
@@ -162,14 +180,14 @@ class PdserveService(pb_grpc.PdserveServicer):
             self._metrics.failovers.inc()
             return route(prompt, sampling)
 
-        first_route = route(prompt_ids, valid.sampling, reuse)
+        first_route = route(prompt_ids, sampling, reuse)
         first_token_at: float | None = None
         started = time.monotonic()
         try:
             events = self._orchestrator.serve(
                 request_id,
                 prompt_ids,
-                valid.sampling,
+                sampling,
                 first_route,
                 reroute=reroute,
                 on_replica_failed=self._router.replica_failed,
@@ -180,9 +198,8 @@ class PdserveService(pb_grpc.PdserveServicer):
                 if isinstance(event, TokenBatch):
                     if event.token_ids and first_token_at is None:
                         first_token_at = time.monotonic()
-                    yield pb.GenerateResponse(
-                        request_id=request_id, token_ids=event.token_ids, text=event.text
-                    )
+                    parsed = output.feed(event.token_ids, event.text)
+                    yield _response(request_id, parsed, token_ids=event.token_ids)
                 else:
                     self._record(event, first_token_at, started)
                     self._router.turn_done(
@@ -192,7 +209,8 @@ class PdserveService(pb_grpc.PdserveServicer):
                         prompt_ids,
                         event.output_token_ids,
                     )
-                    yield pb.GenerateResponse(request_id=request_id, final=_final(event))
+                    rest = output.finish()  # before _final: it tells whether the model called tools
+                    yield _response(request_id, rest, final=_final(event, output))
         except NoReplicaError as exc:
             raise _Aborted(grpc.StatusCode.UNAVAILABLE, str(exc)) from exc
         finally:
@@ -280,9 +298,26 @@ async def _abort_internal(
     )
 
 
-def _final(c: Completion) -> pb.Final:
+def _response(
+    request_id: str, parsed: ParsedDelta, token_ids: list[int] | None = None, final: pb.Final | None = None
+) -> pb.GenerateResponse:
+    return pb.GenerateResponse(
+        request_id=request_id,
+        token_ids=token_ids,
+        text=parsed.content,
+        reasoning_text=parsed.reasoning,
+        tool_calls=[
+            pb.ToolCallDelta(index=c.index, id=c.id, name=c.name, arguments_json=c.arguments)
+            for c in parsed.tool_calls
+        ],
+        final=final,
+    )
+
+
+def _final(c: Completion, output: OutputParser) -> pb.Final:
+    reason = "tool_calls" if output.tools_called and c.finish_reason == "stop" else c.finish_reason
     return pb.Final(
-        finish_reason=_FINISH.get(c.finish_reason, pb.FINISH_REASON_UNSPECIFIED),
+        finish_reason=_FINISH.get(reason, pb.FINISH_REASON_UNSPECIFIED),
         stop_reason=c.stop_reason or "",
         usage=pb.Usage(
             prompt_tokens=c.prompt_tokens,

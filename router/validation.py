@@ -10,18 +10,22 @@ The one check that needs the token count, `check_prompt_length`, runs after toke
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from typing import Any, Literal
 
 import msgspec
 
-from engine.messages import Sampling
+from engine.messages import Constraint, Sampling
 from router.api import pdserve_pb2
+from router.output_parser import ToolChoiceMode, ToolUse
 from router.tokenizer import ChatInputError, message_dicts, tool_dicts
 
 ROLES = ("system", "user", "assistant", "tool")
 MAX_STOP_STRINGS = 16
+MAX_STOP_TOKEN_IDS = 16
 MAX_ID_LENGTH = 256
+_XGRAMMAR_WHERE = re.compile(r"\[\d\d:\d\d:\d\d\] \S+:\d+: ")
 _INPUT_FIELDS = ("prompt", "messages", "prompt_token_ids")
 
 InputKind = Literal["prompt", "messages", "prompt_token_ids"]
@@ -60,7 +64,9 @@ class ValidatedInput(msgspec.Struct, frozen=True, kw_only=True):
     """A GenerateRequest that passed validation, with the server's defaults applied."""
 
     input: PromptInput
-    sampling: Sampling
+    sampling: Sampling  # with the response format's constraint (tool choice adds its own later)
+    # The tools and what the request asks of them (None: no tools).
+    tool_use: ToolUse | None
     session_id: str
     # Empty: the server makes one.
     request_id: str
@@ -76,9 +82,13 @@ def validate_generate(
     for name, value in (("session_id", req.session_id), ("request_id", req.request_id)):
         if len(value) > MAX_ID_LENGTH:
             raise InvalidRequest(name, f"at most {MAX_ID_LENGTH} characters, got {len(value)}")
+    sampling = _sampling(req.sampling, limits)
+    if req.HasField("response_format"):
+        sampling = msgspec.structs.replace(sampling, constraint=_constraint(req.response_format))
     return ValidatedInput(
         input=prompt,
-        sampling=_sampling(req.sampling, limits),
+        sampling=sampling,
+        tool_use=_tool_use(req, prompt),
         session_id=req.session_id,
         request_id=req.request_id,
     )
@@ -175,6 +185,93 @@ def _check_messages(messages: Sequence[pdserve_pb2.ChatMessage]) -> None:
                 raise InvalidRequest(f"{field}.tool_calls[{j}].name", "a tool call needs a function name")
 
 
+_TOOL_CHOICE: dict[int, ToolChoiceMode] = {
+    pdserve_pb2.ToolChoice.MODE_AUTO: "auto",
+    pdserve_pb2.ToolChoice.MODE_NONE: "none",
+    pdserve_pb2.ToolChoice.MODE_REQUIRED: "required",
+    pdserve_pb2.ToolChoice.MODE_FUNCTION: "function",
+}
+
+
+def _tool_use(req: pdserve_pb2.GenerateRequest, prompt: PromptInput) -> ToolUse | None:
+    if not prompt.tools:
+        for field in ("tool_choice", "parallel_tool_calls"):
+            if req.HasField(field):
+                raise InvalidRequest(field, "only allowed with tools")
+        return None
+    choice = req.tool_choice
+    mode = _TOOL_CHOICE.get(choice.mode)
+    if mode is None:
+        raise InvalidRequest("tool_choice.mode", f"unknown mode {choice.mode}")
+    names = [t["function"]["name"] for t in prompt.tools]
+    if mode == "function" and choice.function_name not in names:
+        raise InvalidRequest(
+            "tool_choice.function_name",
+            f"must name one of the tools ({', '.join(names)}); got {choice.function_name!r}",
+        )
+    if mode != "function" and choice.function_name:
+        raise InvalidRequest("tool_choice.function_name", "only with mode MODE_FUNCTION")
+    if mode in ("required", "function") and req.HasField("response_format"):
+        raise InvalidRequest(
+            "response_format", f"cannot be combined with tool_choice {mode}: the call's JSON is the format"
+        )
+    parallel = req.parallel_tool_calls if req.HasField("parallel_tool_calls") else True
+    return ToolUse(tools=prompt.tools, choice=mode, function=choice.function_name, parallel=parallel)
+
+
+def _constraint(fmt: pdserve_pb2.ResponseFormat) -> Constraint:
+    kind = fmt.WhichOneof("format")
+    if kind == "json_schema":
+        schema = _json(fmt.json_schema, "response_format.json_schema")
+        if not isinstance(schema, dict):
+            raise InvalidRequest("response_format.json_schema", "must be a JSON Schema object")
+        return Constraint(json_schema=schema)
+    if kind == "json_object":
+        if not fmt.json_object:
+            raise InvalidRequest(
+                "response_format.json_object", "set it to true, or leave response_format unset"
+            )
+        return Constraint(json_object=True)
+    if kind == "regex":
+        if not fmt.regex:
+            raise InvalidRequest("response_format.regex", "must not be empty")
+        return Constraint(regex=fmt.regex)
+    if kind == "choice":
+        choices = tuple(fmt.choice.choices)
+        if not choices or not all(choices):
+            raise InvalidRequest("response_format.choice", "needs at least one choice, none of them empty")
+        return Constraint(choice=choices)
+    raise InvalidRequest("response_format", "set one of json_schema, json_object, regex, choice")
+
+
+def _json(text: str, field: str) -> Any:
+    import json
+
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidRequest(field, f"invalid JSON: {exc}") from exc
+
+
+def check_constraint(sampling: Sampling) -> None:
+    """Refuse a constraint the engine's grammar backend (xgrammar) cannot compile: an engine would otherwise
+    fail the request after it was routed. Takes milliseconds of CPU for a schema: call it off the event
+    loop."""
+    if sampling.constraint is None:
+        return
+    from vllm.exceptions import VLLMValidationError
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.structured_output.backend_xgrammar import validate_xgrammar_grammar
+
+    from engine.host import structured_outputs
+
+    try:
+        validate_xgrammar_grammar(SamplingParams(structured_outputs=structured_outputs(sampling.constraint)))
+    except (ValueError, VLLMValidationError) as exc:
+        # xgrammar's messages start with a time and its C++ source location: not for a client.
+        raise InvalidRequest("response_format", _XGRAMMAR_WHERE.sub("", str(exc))) from exc
+
+
 def _sampling(params: pdserve_pb2.SamplingParams, limits: ModelLimits) -> Sampling:
     defaults = Sampling()
     max_tokens = params.max_tokens if params.HasField("max_tokens") else defaults.max_tokens
@@ -196,6 +293,16 @@ def _sampling(params: pdserve_pb2.SamplingParams, limits: ModelLimits) -> Sampli
     for i, stop in enumerate(params.stop):
         if not stop:
             raise InvalidRequest(f"sampling.stop[{i}]", "stop strings must not be empty")
+    if len(params.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequest(
+            "sampling.stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids; got {len(params.stop_token_ids)}"
+        )
+    for i, token in enumerate(params.stop_token_ids):
+        if token >= limits.vocab_size:
+            raise InvalidRequest(
+                f"sampling.stop_token_ids[{i}]",
+                f"token id {token} is not below vocab_size {limits.vocab_size}",
+            )
     return Sampling(
         max_tokens=max_tokens,
         temperature=temperature,
@@ -204,4 +311,28 @@ def _sampling(params: pdserve_pb2.SamplingParams, limits: ModelLimits) -> Sampli
         seed=params.seed if params.HasField("seed") else None,
         stop=tuple(params.stop),
         ignore_eos=params.ignore_eos,
+        stop_token_ids=tuple(params.stop_token_ids),
+        frequency_penalty=_in_range(params, "frequency_penalty", -2.0, 2.0, 0.0),
+        presence_penalty=_in_range(params, "presence_penalty", -2.0, 2.0, 0.0),
+        repetition_penalty=_in_range(params, "repetition_penalty", 0.0, 2.0, 1.0, low_open=True),
+        min_p=_in_range(params, "min_p", 0.0, 1.0, 0.0),
     )
+
+
+def _in_range(
+    params: pdserve_pb2.SamplingParams,
+    name: str,
+    low: float,
+    high: float,
+    default: float,
+    *,
+    low_open: bool = False,
+) -> float:
+    if not params.HasField(name):
+        return default
+    value = float(getattr(params, name))
+    if not (math.isfinite(value) and (low < value if low_open else low <= value) and value <= high):
+        raise InvalidRequest(
+            f"sampling.{name}", f"must be in {'(' if low_open else '['}{low:g}, {high:g}]; got {value}"
+        )
+    return value

@@ -17,6 +17,7 @@ from cluster.topology import (
     load_topology,
     parse_topology,
     selector_matches,
+    tool_call_parser,
 )
 from router.policy.selector import PdservePolicyConfig
 
@@ -243,6 +244,24 @@ def test_block_size_must_be_a_multiple_of_16() -> None:
     with pytest.raises(TopologyError) as info:
         parse_topology("model: {block_size: 24}")
     assert (info.value.path, info.value.reason) == ("model.block_size", "must be a multiple of 16, got 24")
+
+
+@pytest.mark.parametrize("field", ["tool_call_parser", "reasoning_parser"])
+def test_an_unknown_parser_is_refused_with_vllms_names(field: str) -> None:
+    with pytest.raises(TopologyError) as info:
+        parse_topology(f"model: {{{field}: no_such_parser}}")
+    assert info.value.path == f"model.{field}"
+    assert "unknown parser 'no_such_parser'" in info.value.reason and "kimi_k2" in info.value.reason
+
+
+def test_the_built_in_model_parses_hermes_tool_calls_and_others_what_the_topology_says() -> None:
+    assert tool_call_parser(parse_topology("{model: {name: m}}").model) == "hermes"
+    topo = parse_topology("model: {tool_call_parser: kimi_k2, reasoning_parser: kimi_k2}")
+    assert (tool_call_parser(topo.model), topo.model.reasoning_parser) == ("kimi_k2", "kimi_k2")
+    assert (
+        tool_call_parser(msgspec.structs.replace(topo.model, source="/models/x", tool_call_parser=None))
+        is None
+    )
 
 
 def test_gpu_pools_accept_block_size_16() -> None:

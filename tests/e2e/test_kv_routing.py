@@ -6,6 +6,7 @@ context from the decode replica over NIXL instead of computing it."""
 
 from __future__ import annotations
 
+import json
 import random
 import time
 import urllib.request
@@ -227,3 +228,46 @@ def test_a_prefix_cached_only_on_a_decode_replica_is_exported_to_a_prefill_leg(
     # Pulled KV is the same KV: the same ids again give the same greedy reply.
     again = client.generate_text(token_ids=ids3, max_tokens=8, temperature=0.0)
     assert third.token_ids == again.token_ids
+
+
+GREP = {
+    "name": "grep",
+    "description": "Search the repository",
+    "parameters": {
+        "type": "object",
+        "properties": {"pattern": {"enum": ["hash", "route", "prefill"]}},
+        "required": ["pattern"],
+        "additionalProperties": False,
+    },
+}
+
+
+def test_an_agent_loop_of_tool_calls_stays_where_its_cache_is(client: PdserveClient) -> None:
+    """The agent's loop: the model calls a tool, the agent runs it and sends the call and its result back
+    with the whole conversation; the next turn lands on the decode replica holding the previous one."""
+    messages: list[dict[str, object]] = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Where does the router hash blocks?"},
+    ]
+    first = client.generate_text(
+        messages=messages,
+        tools=[GREP],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        session_id="agent-loop",
+        max_tokens=64,
+        temperature=0.0,
+    )
+    assert first.finish_reason == "tool_calls"
+    (call,) = first.tool_calls
+    assert call["name"] == "grep" and json.loads(call["arguments"])["pattern"] in ("hash", "route", "prefill")
+    messages += [
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call["id"], "content": "router/block_hash.py:12: def hash_blocks"},
+    ]
+    time.sleep(1.0)  # the tool runs; the engines' KV events reach the router
+    second = client.generate_text(
+        messages=messages, tools=[GREP], session_id="agent-loop", max_tokens=8, temperature=0.0
+    )
+    assert second.served_by.decode_replica == first.served_by.decode_replica
+    assert second.usage.cached_tokens >= (first.usage.prompt_tokens // BLOCK - 1) * BLOCK

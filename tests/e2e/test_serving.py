@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import jsonschema
 import pytest
 
 from engine.tiny_model import ensure_tiny_model
@@ -208,6 +209,91 @@ def test_list_models_health_and_metrics(client: PdserveClient, cluster: Any) -> 
     assert 'pdserve_requests_total{code="OK"}' in body
     assert 'pdserve_requests_total{code="INVALID_ARGUMENT"}' in body
     assert "pdserve_ttft_seconds_bucket" in body
+
+
+AGENT_TOOLS = [
+    {
+        "name": "get_weather",
+        "description": "The forecast for a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"enum": ["paris", "oslo", "rome"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
+    },
+    {
+        "name": "set_alarm",
+        "description": "Set an alarm",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "hour": {"type": "integer", "minimum": 0, "maximum": 23},
+                "loud": {"type": "boolean"},
+            },
+            "required": ["hour", "loud"],
+            "additionalProperties": False,
+        },
+    },
+]
+ASK = [{"role": "user", "content": "What is the weather in Paris this week?"}]
+
+
+def check_calls(done: Any, names: set[str]) -> None:
+    """Every call names one of `names` and its arguments validate against that tool's schema."""
+    schemas = {t["name"]: t["parameters"] for t in AGENT_TOOLS}
+    assert done.finish_reason == "tool_calls" and done.tool_calls, (done.text, done.finish_reason)
+    for call in done.tool_calls:
+        assert call["name"] in names and call["id"]
+        jsonschema.validate(json.loads(call["arguments"]), schemas[call["name"]])
+
+
+def test_a_required_tool_call_through_prefill_decode_parses_into_its_schema(client: PdserveClient) -> None:
+    """The random-weight model calls a tool because the decode engine's grammar makes it (vLLM structured
+    outputs); the prefill leg samples nothing the client sees, so it runs without the grammar."""
+    for seed in range(3):
+        done = client.generate_text(
+            messages=ASK,
+            tools=AGENT_TOOLS,
+            tool_choice="required",
+            max_tokens=200,
+            temperature=1.0,
+            seed=seed,
+        )
+        assert done.served_by.path == pb.SERVING_PATH_DISAGGREGATED
+        check_calls(done, {"get_weather", "set_alarm"})
+        assert done.text == ""
+
+
+def test_a_named_tool_choice_calls_that_function(client: PdserveClient) -> None:
+    done = client.generate_text(
+        messages=ASK, tools=AGENT_TOOLS, tool_choice="set_alarm", max_tokens=100, temperature=0.0
+    )
+    check_calls(done, {"set_alarm"})
+    assert len(done.tool_calls) == 1
+
+
+def test_a_json_schema_response_format_returns_json_that_validates(client: PdserveClient) -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "answer": {"enum": ["yes", "no"]},
+            "score": {"type": "integer", "minimum": 0, "maximum": 9},
+        },
+        "required": ["answer", "score"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": schema}}
+    done = client.generate_text(messages=ASK, response_format=fmt, max_tokens=100, temperature=0.0)
+    assert done.served_by.path == pb.SERVING_PATH_DISAGGREGATED and done.finish_reason == "stop"
+    jsonschema.validate(json.loads(done.text), schema)
+    choice = client.generate_text(
+        prompt="Yes or no?", response_format={"type": "choice", "choice": ["yes", "no"]}, max_tokens=8
+    )
+    assert choice.text in ("yes", "no")
 
 
 def test_a_prefill_whose_kv_no_decode_will_pull_is_freed_at_once_when_released(cluster: Any) -> None:

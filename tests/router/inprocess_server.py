@@ -20,6 +20,7 @@ from router.chat_encoder import SessionChatEncoder
 from router.cluster_view import ClusterView
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator
+from router.output_parser import OutputParsers
 from router.policy.selector import PdservePolicy, PdservePolicyConfig
 from router.routing import RequestRouter
 from router.server import PdserveService, start_grpc_server
@@ -45,7 +46,17 @@ class _Registry:
 
 
 class _Decode:
-    """Streams two tokens, then a final batch, for any request."""
+    """Streams `output` (text pieces, one batch each; default "a", "b" as ids 5, 6) for any request, and
+    records the requests it got in `seen`."""
+
+    def __init__(
+        self, tokenizer: PromptTokenizer, output: list[str] | None, seen: list[EngineRequest]
+    ) -> None:
+        if output is None:
+            self._batches = [([5], "a"), ([6], "b")]
+        else:
+            self._batches = [(tokenizer.encode_rendered(text), text) for text in output]
+        self._seen = seen
 
     def options(self, stream: bool) -> _Decode:
         return self
@@ -57,22 +68,26 @@ class _Decode:
     def remote(
         self, req: EngineRequest, replica_hint: str | None = None, replica_avoid: tuple[str, ...] = ()
     ) -> Any:
-        return _Stream(req)
+        self._seen.append(req)
+        return _Stream(req, self._batches)
 
 
 class _Stream:
-    def __init__(self, req: EngineRequest) -> None:
+    def __init__(self, req: EngineRequest, batches: list[tuple[list[int], str]]) -> None:
         self.req = req
+        self._batches = batches
 
     def __aiter__(self) -> AsyncIterator[TokenBatch]:
         return self._gen()
 
     async def _gen(self) -> AsyncIterator[TokenBatch]:
-        yield TokenBatch(token_ids=[5], text="a", replica_id="D1")
+        *first, (last_ids, last_text) = self._batches
+        for ids, text in first:
+            yield TokenBatch(token_ids=ids, text=text, replica_id="D1")
         yield TokenBatch(
-            token_ids=[6],
-            text="b",
-            finish_reason="length",
+            token_ids=last_ids,
+            text=last_text,
+            finish_reason="stop",
             num_prompt_tokens=len(self.req.prompt_token_ids),
             replica_id="D1",
             node_id="n1",
@@ -87,8 +102,15 @@ async def _no_replicas() -> list[pb.Replica]:
 
 
 @contextmanager
-def endpoint(*, tls: tuple[bytes, bytes] | None = None, auth_token: str | None = None) -> Iterator[str]:
-    """Serve on 127.0.0.1 (in a thread with its own event loop) until the block ends; yields host:port."""
+def endpoint(
+    *,
+    tls: tuple[bytes, bytes] | None = None,
+    auth_token: str | None = None,
+    output: list[str] | None = None,
+    seen: list[EngineRequest] | None = None,
+) -> Iterator[str]:
+    """Serve on 127.0.0.1 (in a thread with its own event loop) until the block ends; yields host:port. The
+    stand-in decode pool streams `output` and appends the engine requests it gets to `seen`."""
     model_dir = ensure_tiny_model()
     port = free_port()
     started = threading.Event()
@@ -99,9 +121,12 @@ def endpoint(*, tls: tuple[bytes, bytes] | None = None, auth_token: str | None =
         service = PdserveService(
             tokenizer=tokenizer,
             chat_encoder=SessionChatEncoder(tokenizer),
+            parsers=OutputParsers(tokenizer.hf_tokenizer, "hermes", None),
             limits=ModelLimits(served_name="tiny-llama", max_model_len=2048, vocab_size=tokenizer.vocab_size),
             block_size=32,
-            orchestrator=Orchestrator(None, _Decode(), block_size=32),
+            orchestrator=Orchestrator(
+                None, _Decode(tokenizer, output, [] if seen is None else seen), block_size=32
+            ),
             router=RequestRouter(
                 view=ClusterView(_Registry(), block_size=32),
                 policy=PdservePolicy(PdservePolicyConfig()),

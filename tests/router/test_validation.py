@@ -7,11 +7,12 @@ from typing import Any
 
 import pytest
 
-from engine.messages import Sampling
+from engine.messages import Constraint, Sampling
 from router.api import pdserve_pb2 as pb
 from router.validation import (
     InvalidRequest,
     ModelLimits,
+    check_constraint,
     check_prompt_length,
     validate_generate,
     validate_tokenize,
@@ -29,6 +30,13 @@ def generate(**fields: Any) -> pb.GenerateRequest:
 
 def user(content: str = "hi") -> pb.ChatMessage:
     return pb.ChatMessage(role="user", content=content)
+
+
+TOOL = pb.Tool(name="f", parameters_json='{"type": "object", "properties": {"x": {"type": "integer"}}}')
+
+
+def chat_with_tools(**fields: Any) -> pb.GenerateRequest:
+    return generate(prompt="", messages=[user()], tools=[TOOL], **fields)
 
 
 INVALID: list[tuple[str, pb.GenerateRequest, str]] = [
@@ -106,6 +114,57 @@ INVALID: list[tuple[str, pb.GenerateRequest, str]] = [
     ("17 stop strings", generate(sampling={"stop": [f"s{i}" for i in range(17)]}), "sampling.stop"),
     ("empty stop string", generate(sampling={"stop": ["END", ""]}), "sampling.stop[1]"),
     ("session id too long", generate(session_id="s" * 257), "session_id"),
+    ("17 stop token ids", generate(sampling={"stop_token_ids": list(range(17))}), "sampling.stop_token_ids"),
+    ("stop token id too big", generate(sampling={"stop_token_ids": [1, 2048]}), "sampling.stop_token_ids[1]"),
+    ("frequency penalty", generate(sampling={"frequency_penalty": 2.5}), "sampling.frequency_penalty"),
+    ("presence penalty NaN", generate(sampling={"presence_penalty": math.nan}), "sampling.presence_penalty"),
+    (
+        "repetition penalty zero",
+        generate(sampling={"repetition_penalty": 0.0}),
+        "sampling.repetition_penalty",
+    ),
+    ("min_p above 1", generate(sampling={"min_p": 1.5}), "sampling.min_p"),
+    ("tool choice without tools", generate(tool_choice=pb.ToolChoice(mode=2)), "tool_choice"),
+    ("parallel calls without tools", generate(parallel_tool_calls=False), "parallel_tool_calls"),
+    (
+        "tool choice names no tool",
+        chat_with_tools(tool_choice=pb.ToolChoice(mode=3, function_name="g")),
+        "tool_choice.function_name",
+    ),
+    (
+        "function name without mode",
+        chat_with_tools(tool_choice=pb.ToolChoice(function_name="f")),
+        "tool_choice.function_name",
+    ),
+    (
+        "required call and a response format",
+        chat_with_tools(
+            tool_choice=pb.ToolChoice(mode=2), response_format=pb.ResponseFormat(json_object=True)
+        ),
+        "response_format",
+    ),
+    (
+        "schema not JSON",
+        generate(response_format=pb.ResponseFormat(json_schema="{")),
+        "response_format.json_schema",
+    ),
+    (
+        "schema not an object",
+        generate(response_format=pb.ResponseFormat(json_schema="[1]")),
+        "response_format.json_schema",
+    ),
+    (
+        "json_object false",
+        generate(response_format=pb.ResponseFormat(json_object=False)),
+        "response_format.json_object",
+    ),
+    ("empty regex", generate(response_format=pb.ResponseFormat(regex="")), "response_format.regex"),
+    (
+        "no choices",
+        generate(response_format=pb.ResponseFormat(choice=pb.ResponseFormat.Choices())),
+        "response_format.choice",
+    ),
+    ("format unset", generate(response_format=pb.ResponseFormat()), "response_format"),
     ("request id too long", generate(request_id="r" * 257), "request_id"),
 ]
 
@@ -229,3 +288,66 @@ def test_input_is_blamed_when_the_prompt_alone_does_not_fit(num_prompt_tokens: i
         check_prompt_length(num_prompt_tokens, Sampling(max_tokens=1), LIMITS, input_field="messages")
     assert info.value.field == "messages"
     assert str(num_prompt_tokens) in info.value.message
+
+
+def test_tools_default_to_auto_with_parallel_calls() -> None:
+    tool_use = validate_generate(chat_with_tools(), LIMITS).tool_use
+    assert tool_use is not None and (tool_use.choice, tool_use.parallel) == ("auto", True)
+    assert tool_use.tools[0]["function"]["name"] == "f"
+    assert validate_generate(generate(), LIMITS).tool_use is None
+
+
+def test_a_named_tool_choice_and_the_sampling_extras_come_through() -> None:
+    valid = validate_generate(
+        chat_with_tools(
+            tool_choice=pb.ToolChoice(mode=pb.ToolChoice.MODE_FUNCTION, function_name="f"),
+            parallel_tool_calls=False,
+            sampling={
+                "stop_token_ids": [7],
+                "min_p": 0.1,
+                "repetition_penalty": 1.2,
+                "frequency_penalty": -1,
+            },
+        ),
+        LIMITS,
+    )
+    assert valid.tool_use is not None
+    assert (valid.tool_use.choice, valid.tool_use.function, valid.tool_use.parallel) == (
+        "function",
+        "f",
+        False,
+    )
+    s = valid.sampling
+    assert (s.stop_token_ids, s.repetition_penalty, s.frequency_penalty) == ((7,), pytest.approx(1.2), -1.0)
+    assert s.min_p == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize(
+    ("fmt", "constraint"),
+    [
+        (pb.ResponseFormat(json_schema='{"type": "object"}'), Constraint(json_schema={"type": "object"})),
+        (pb.ResponseFormat(json_object=True), Constraint(json_object=True)),
+        (pb.ResponseFormat(regex="[a-z]+"), Constraint(regex="[a-z]+")),
+        (
+            pb.ResponseFormat(choice=pb.ResponseFormat.Choices(choices=["yes", "no"])),
+            Constraint(choice=("yes", "no")),
+        ),
+    ],
+    ids=["json_schema", "json_object", "regex", "choice"],
+)
+def test_a_response_format_becomes_the_engines_constraint(
+    fmt: pb.ResponseFormat, constraint: Constraint
+) -> None:
+    assert validate_generate(generate(response_format=fmt), LIMITS).sampling.constraint == constraint
+
+
+@pytest.mark.parametrize(
+    "constraint",
+    [Constraint(regex="(unclosed"), Constraint(json_schema={"type": "no-such-type"})],
+    ids=["regex", "schema"],
+)
+def test_a_constraint_the_grammar_backend_cannot_compile_is_refused(constraint: Constraint) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        check_constraint(Sampling(constraint=constraint))
+    assert info.value.field == "response_format"
+    assert ".cc:" not in info.value.message and "/" not in info.value.message  # no C++ source path
