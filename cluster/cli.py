@@ -232,7 +232,12 @@ def _up(args: argparse.Namespace) -> int:
         def announce() -> None:
             # Only once the gRPC endpoint accepts calls: scripts wait for this line.
             log.info("cluster ready in %.1f s", time.monotonic() - started)
-            ready = f"{READY_LINE}: gRPC {grpc_address}, dashboard {dashboard}, metrics {metrics_url}"
+            http = (
+                f", OpenAI HTTP http://{topo.server.http_host}:{topo.server.http_port}/v1"
+                if topo.server.http_port
+                else ""
+            )
+            ready = f"{READY_LINE}: gRPC {grpc_address}{http}, dashboard {dashboard}, metrics {metrics_url}"
             print(ready, flush=True)
 
         asyncio.run(_serve_router(router, announce))
@@ -253,6 +258,8 @@ def _check_endpoints(topo: Topology) -> None:
     try:
         check_listen("server.grpc_port", topo.server.grpc_host, topo.server.grpc_port)
         check_listen("server.metrics_port", topo.server.metrics_host, topo.server.metrics_port)
+        if topo.server.http_port is not None:
+            check_listen("server.http_port", topo.server.http_host, topo.server.http_port)
         if topo.ray.address is None:  # we start the Ray head, and with it the dashboard
             check_listen("ray.dashboard_port", topo.ray.dashboard_host, topo.ray.dashboard_port)
     except ListenError as exc:

@@ -12,6 +12,7 @@ replica fits the inventory must use exactly the shapes that the Serve config lat
 from __future__ import annotations
 
 import difflib
+import logging
 import re
 import sys
 import types
@@ -258,6 +259,9 @@ class Tls(_Config, frozen=True, kw_only=True):
 class Server(_Config, frozen=True, kw_only=True):
     grpc_host: str = "127.0.0.1"
     grpc_port: Port = 50051
+    # The OpenAI-compatible HTTP door (router/openai_http.py): off unless a port is set. Same TLS and token.
+    http_host: str = "127.0.0.1"
+    http_port: Port | None = None
     metrics_host: str = "127.0.0.1"
     metrics_port: Port = 9400
     tls: Tls | None = None
@@ -486,13 +490,25 @@ def _check_model(topo: Topology) -> None:
 
 
 def _check_parsers(model: Model) -> None:
+    """Parser names against vLLM's registries (importing vLLM takes seconds: only when one is set)."""
     from router.output_parser import reasoning_parser_names, tool_parser_names
 
     for field, name, known in (
         ("tool_call_parser", model.tool_call_parser, tool_parser_names),
         ("reasoning_parser", model.reasoning_parser, reasoning_parser_names),
     ):
-        if name is not None and name not in (names := known()):
+        if name is None:
+            continue
+        vllm_log = logging.getLogger("vllm")
+        level = vllm_log.level
+        vllm_log.setLevel(
+            logging.ERROR
+        )  # its import-time notes (e.g. about Triton) are not the user's concern
+        try:
+            names = known()
+        finally:
+            vllm_log.setLevel(level)
+        if name not in names:
             raise TopologyError(f"model.{field}", f"unknown parser {name!r}; vLLM has: {', '.join(names)}")
 
 
@@ -615,9 +631,12 @@ def _check_server_and_ray(server: Server, ray: RayCluster) -> None:
     ports: dict[int, str] = {}
     for path, port in (
         ("server.grpc_port", server.grpc_port),
+        ("server.http_port", server.http_port),
         ("server.metrics_port", server.metrics_port),
         ("ray.dashboard_port", ray.dashboard_port),
     ):
+        if port is None:
+            continue
         if port in ports:
             raise TopologyError(path, f"port {port} is already taken by {ports[port]}")
         ports[port] = path

@@ -23,6 +23,7 @@ from router.api import pdserve_pb2 as pb
 from router.chat_encoder import SessionChatEncoder
 from router.cluster_view import ClusterView
 from router.metrics import RouterMetrics
+from router.openai_http import HttpServer, build_app
 from router.orchestrator import Orchestrator
 from router.output_parser import OutputParsers
 from router.policy.cost import CostWeights
@@ -140,6 +141,7 @@ class RouterProcess:
             self.service, host=cfg.grpc_host, port=cfg.grpc_port, tls=self._tls, auth_token=self._token
         )
         log.info("gRPC endpoint on %s:%d", cfg.grpc_host, cfg.grpc_port)
+        http = await self._start_http() if cfg.http_port is not None else None
         await self._update_health(health)
         health_task = asyncio.create_task(self._follow_health(health), name="health")
         on_ready()
@@ -147,10 +149,30 @@ class RouterProcess:
             await stop.wait()
         finally:
             health_task.cancel()
+            if http is not None:
+                await http.stop()
             await health.enter_graceful_shutdown()
             # In-flight streams get a grace period to finish; new calls are refused meanwhile.
             await server.stop(grace=10.0)
             view_task.cancel()
+
+    async def _start_http(self) -> HttpServer:
+        cfg = self.topo.server
+        assert cfg.http_port is not None
+        app = build_app(
+            self.service,
+            served_name=self.topo.model.name,
+            max_model_len=self.topo.model.max_model_len,
+            serving=lambda: bool(self._serving),
+            auth_token=self._token,
+        )
+        tls = cfg.tls
+        server = HttpServer(
+            app, cfg.http_host, cfg.http_port, tls=(tls.key_file, tls.cert_file) if tls else None
+        )
+        await server.start()
+        log.info("OpenAI HTTP endpoint on %s:%d", cfg.http_host, cfg.http_port)
+        return server
 
 
 def _replica_status(info: ReplicaInfo) -> pb.Replica:

@@ -73,7 +73,10 @@ class GenerateCall(NamedTuple):
         return cls(pb.GenerateRequest.FromString(raw), raw, uuid.uuid4().hex)
 
 
-class _Aborted(Exception):
+class RequestFailed(Exception):
+    """How a request ends when it does not succeed: a documented gRPC status and a message fit for a client
+    (the HTTP door maps both to OpenAI's error shape)."""
+
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(message)
         self.code = code
@@ -110,21 +113,32 @@ class PdserveService(pb_grpc.PdserveServicer):
     async def Generate(
         self, call: GenerateCall, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            async for message in self.run(call, context.time_remaining):
+                yield message
+        except RequestFailed as exc:
+            await context.abort(exc.code, exc.message)
+
+    async def run(
+        self, call: GenerateCall, time_remaining: Callable[[], float | None]
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """One Generate request, whichever door it came in by: its messages, or RequestFailed. Counted once in
+        pdserve_requests{code}. `time_remaining`: the call's deadline, to tell an expiry from a cancel."""
         code = grpc.StatusCode.OK
         self._metrics.inflight.inc()
         try:
             async for message in self._generate(call):
                 yield message
-        except _Aborted as exc:
+        except RequestFailed as exc:
             code = exc.code
-            await context.abort(exc.code, exc.message)
+            raise
         except Exception as exc:
             code = grpc.StatusCode.INTERNAL
-            await _abort_internal(context, "Generate", _request_id_of(call), exc)
+            raise _internal("Generate", _request_id_of(call), exc) from exc
         except asyncio.CancelledError:
-            # Client cancelled or the deadline passed: grpc cancels this task; the orchestrator's
+            # Client cancelled or the deadline passed: the door cancels this task; the orchestrator's
             # cleanup cancelled the engine legs on the way out.
-            remaining = context.time_remaining()
+            remaining = time_remaining()
             code = (
                 grpc.StatusCode.DEADLINE_EXCEEDED
                 if remaining is not None and remaining <= 0
@@ -152,7 +166,7 @@ class PdserveService(pb_grpc.PdserveServicer):
             prompt_ids, reuse = await self._encode(valid.input, valid.session_id or None, turn)
             check_prompt_length(len(prompt_ids), sampling, self._limits, input_field=valid.input.kind)
         except (InvalidRequest, ChatInputError) as exc:
-            raise _Aborted(grpc.StatusCode.INVALID_ARGUMENT, f"{exc.field}: {exc.message}") from exc
+            raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, f"{exc.field}: {exc.message}") from exc
         output = self._parsers.parser(tool_use)
         if turn is not None:
             self._token_sessions.finish(turn, prompt_ids)
@@ -164,9 +178,9 @@ class PdserveService(pb_grpc.PdserveServicer):
             try:
                 chosen = self._router.route(request_id, session_id, prompt, sampling, reuse)
             except Overloaded as exc:
-                raise _Aborted(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from exc
+                raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from exc
             except NoEligibleReplica as exc:
-                raise _Aborted(grpc.StatusCode.UNAVAILABLE, f"no ready replica: {exc}") from exc
+                raise RequestFailed(grpc.StatusCode.UNAVAILABLE, f"no ready replica: {exc}") from exc
             self._metrics.decisions.labels(reason=chosen.reason).inc()
             if chosen.readback_tokens:
                 self._metrics.readback_tokens.labels(decode_replica=chosen.readback_replica).inc(
@@ -212,7 +226,7 @@ class PdserveService(pb_grpc.PdserveServicer):
                     rest = output.finish()  # before _final: it tells whether the model called tools
                     yield _response(request_id, rest, final=_final(event, output))
         except NoReplicaError as exc:
-            raise _Aborted(grpc.StatusCode.UNAVAILABLE, str(exc)) from exc
+            raise RequestFailed(grpc.StatusCode.UNAVAILABLE, str(exc)) from exc
         finally:
             self._router.finish(request_id)
 
@@ -286,16 +300,21 @@ def _request_id_of(call: GenerateCall) -> str:
     return rid if rid and len(rid) <= 128 and rid.isprintable() else call.request_id
 
 
-async def _abort_internal(
-    context: grpc.aio.ServicerContext, method: str, request_id: str, exc: Exception
-) -> None:
+def _internal(method: str, request_id: str, exc: Exception) -> RequestFailed:
     """A bug or an unexpected failure: the client gets INTERNAL and an id to quote, never a traceback, a
     path or an address (the log has them, under the same id). gRPC itself would answer UNKNOWN with the
     exception's text."""
     log.error("%s %s failed", method, request_id, exc_info=exc)
-    await context.abort(
+    return RequestFailed(
         grpc.StatusCode.INTERNAL, f"internal error ({type(exc).__name__}); request id {request_id}"
     )
+
+
+async def _abort_internal(
+    context: grpc.aio.ServicerContext, method: str, request_id: str, exc: Exception
+) -> None:
+    failed = _internal(method, request_id, exc)
+    await context.abort(failed.code, failed.message)
 
 
 def _response(

@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 from e2e_support import RunningCluster, cluster_up, make_topology
+from ports import free_port
 
 
 @pytest.fixture(scope="module")
@@ -17,6 +18,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningCluster
         router__local_prefill_max_tokens=0,
         router__long_local_prefill=False,
         router__prefill_overflow_queue_s=None,
+        server__http_port=free_port(),  # the OpenAI HTTP door too
     )
     with cluster_up(topology) as running:
         yield running

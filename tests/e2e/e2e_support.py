@@ -52,6 +52,8 @@ class RunningCluster:
         cfg = yaml.safe_load(topology.read_text())
         self.target = f"127.0.0.1:{cfg['server']['grpc_port']}"
         self.metrics_url = f"http://127.0.0.1:{cfg['server']['metrics_port']}/metrics"
+        http_port = cfg["server"].get("http_port")
+        self.http_url = f"http://127.0.0.1:{http_port}" if http_port else None
         self.log: list[str] = []
         self.proc = subprocess.Popen(
             [PDSERVE, "up", "-f", str(topology)],

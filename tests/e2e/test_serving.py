@@ -4,6 +4,7 @@ on CPU, NIXL KV transfer), driven through the public gRPC API."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -294,6 +295,66 @@ def test_a_json_schema_response_format_returns_json_that_validates(client: Pdser
         prompt="Yes or no?", response_format={"type": "choice", "choice": ["yes", "no"]}, max_tokens=8
     )
     assert choice.text in ("yes", "no")
+
+
+def test_the_openai_http_door_serves_chat_with_tools_completions_and_models(cluster: Any) -> None:
+    """The official openai client against the HTTP door, through the same P/D path as gRPC."""
+    import openai
+
+    client = openai.OpenAI(base_url=cluster.http_url + "/v1", api_key="unused", max_retries=0)
+    tools = [{"type": "function", "function": t} for t in AGENT_TOOLS]
+    r = client.chat.completions.create(
+        model="tiny-llama",
+        messages=ASK,
+        tools=tools,
+        tool_choice="required",
+        max_tokens=200,  # type: ignore[arg-type]
+    )
+    assert r.choices[0].finish_reason == "tool_calls"
+    schemas = {t["name"]: t["parameters"] for t in AGENT_TOOLS}
+    for call in r.choices[0].message.tool_calls or []:
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])  # type: ignore[union-attr]
+    assert r.usage is not None and r.usage.prompt_tokens > 0
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny-llama",
+            messages=ASK,  # type: ignore[arg-type]
+            tools=tools,  # type: ignore[arg-type]
+            tool_choice={"type": "function", "function": {"name": "set_alarm"}},
+            max_tokens=100,
+            stream=True,
+        )
+    )
+    arguments = "".join(
+        d.function.arguments or ""
+        for c in chunks
+        for ch in c.choices
+        for d in ch.delta.tool_calls or ()
+        if d.function
+    )
+    jsonschema.validate(json.loads(arguments), schemas["set_alarm"])
+    done = client.completions.create(
+        model="tiny-llama", prompt=TEXTS[0], max_tokens=MAX_TOKENS, temperature=0.0
+    )
+    assert done.choices[0].text and done.usage is not None and done.usage.completion_tokens > 0
+    assert [m.id for m in client.models.list()] == ["tiny-llama"]
+
+
+def test_vllm_bench_serve_runs_against_the_http_door(cluster: Any) -> None:
+    args = (
+        f"--backend openai-chat --base-url {cluster.http_url} --endpoint /v1/chat/completions"
+        f" --model tiny-llama --tokenizer {ensure_tiny_model()} --dataset-name random"
+        " --random-input-len 96 --random-output-len 16 --num-prompts 8 --max-concurrency 4 --seed 0"
+    )
+    bench = subprocess.run(
+        [sys.executable, "-m", "bench.vllm_bench_serve", *args.split()],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    assert re.search(r"Successful requests:\s+8\b", bench.stdout), bench.stdout[-3000:] + bench.stderr[-3000:]
+    assert re.search(r"Failed requests:\s+0\b", bench.stdout)
 
 
 def test_a_prefill_whose_kv_no_decode_will_pull_is_freed_at_once_when_released(cluster: Any) -> None:

@@ -19,6 +19,7 @@ from router.api import pdserve_pb2 as pb
 from router.chat_encoder import SessionChatEncoder
 from router.cluster_view import ClusterView
 from router.metrics import RouterMetrics
+from router.openai_http import HttpServer, build_app
 from router.orchestrator import Orchestrator
 from router.output_parser import OutputParsers
 from router.policy.selector import PdservePolicy, PdservePolicyConfig
@@ -108,9 +109,11 @@ def endpoint(
     auth_token: str | None = None,
     output: list[str] | None = None,
     seen: list[EngineRequest] | None = None,
+    http_port: int | None = None,
 ) -> Iterator[str]:
     """Serve on 127.0.0.1 (in a thread with its own event loop) until the block ends; yields host:port. The
-    stand-in decode pool streams `output` and appends the engine requests it gets to `seen`."""
+    stand-in decode pool streams `output` and appends the engine requests it gets to `seen`. With
+    `http_port`, the OpenAI HTTP door listens there too."""
     model_dir = ensure_tiny_model()
     port = free_port()
     started = threading.Event()
@@ -141,9 +144,22 @@ def endpoint(
             service, host="127.0.0.1", port=port, tls=tls, auth_token=auth_token
         )
         await health.set("", health_pb2.HealthCheckResponse.SERVING)
+        http = None
+        if http_port is not None:
+            app = build_app(
+                service,
+                served_name="tiny-llama",
+                max_model_len=2048,
+                serving=lambda: True,
+                auth_token=auth_token,
+            )
+            http = HttpServer(app, "127.0.0.1", http_port)
+            await http.start()
         stop.append(asyncio.Event())
         started.set()
         await stop[0].wait()
+        if http is not None:
+            await http.stop()
         await server.stop(grace=None)
 
     loop = asyncio.new_event_loop()
