@@ -28,6 +28,7 @@ from engine.messages import (
     ReplicaInfo,
     Sampling,
     TokenBatch,
+    TokenLogprob,
 )
 from engine.model_source import resolve_model_dir
 from engine.spec import EngineSpec
@@ -242,16 +243,21 @@ class EngineHost:
         text: list[str] = []
         first_sent = False
         batch_started = time.monotonic()
+        want_logprobs = req.sampling.logprobs
+        logprobs: list[TokenLogprob] | None = [] if want_logprobs is not None else None
         async for out in self._outputs(req, params):
             completion = out.outputs[0]
             if not ids:
                 batch_started = time.monotonic()
             ids.extend(completion.token_ids)
             text.append(completion.text)
+            if logprobs is not None and want_logprobs is not None:
+                logprobs += _logprobs(completion.token_ids, completion.logprobs or [], want_logprobs)
             if out.finished:
                 yield TokenBatch(
                     token_ids=ids,
                     text="".join(text),
+                    logprobs=logprobs,
                     finish_reason="length" if completion.finish_reason == "length" else "stop",
                     stop_reason=completion.stop_reason if isinstance(completion.stop_reason, str) else None,
                     num_prompt_tokens=len(req.prompt_token_ids),
@@ -265,9 +271,12 @@ class EngineHost:
             if ids and (
                 not first_sent or len(ids) >= max_batch or time.monotonic() - batch_started >= max_wait
             ):
-                yield TokenBatch(token_ids=ids, text="".join(text), replica_id=self.replica_id)
+                yield TokenBatch(
+                    token_ids=ids, text="".join(text), replica_id=self.replica_id, logprobs=logprobs
+                )
                 first_sent = True
                 ids, text = [], []
+                logprobs = [] if logprobs is not None else None
         raise RuntimeError(f"engine stream for {req.request_id} ended without a finished output")
 
     async def export(self, req: EngineRequest) -> dict[str, Any] | None:
@@ -408,6 +417,7 @@ class EngineHost:
             repetition_penalty=s.repetition_penalty,
             skip_special_tokens=s.skip_special_tokens,
             structured_outputs=structured_outputs(s.constraint),
+            logprobs=s.logprobs,
             output_kind=RequestOutputKind.DELTA,
             extra_args={"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None,
         )
@@ -468,3 +478,22 @@ def structured_outputs(c: Constraint | None) -> Any:
     if c.regex is not None:
         return StructuredOutputsParams(regex=c.regex)
     return StructuredOutputsParams(choice=list(c.choice or ()))
+
+
+def _logprobs(token_ids: list[int], per_token: list[dict[int, Any]], k: int) -> list[TokenLogprob]:
+    """vLLM's per-token logprob dicts (the sampled token and the top k, by rank) as messages."""
+    out = []
+    for token_id, ranked in zip(token_ids, per_token, strict=True):
+        chosen = ranked[token_id]
+        top = sorted(
+            (lp.rank, tid, lp.decoded_token or "", lp.logprob) for tid, lp in ranked.items() if lp.rank <= k
+        )
+        out.append(
+            TokenLogprob(
+                token_id=token_id,
+                token=chosen.decoded_token or "",
+                logprob=chosen.logprob,
+                top=[(tid, tok, lp) for _, tid, tok, lp in top],
+            )
+        )
+    return out

@@ -44,6 +44,8 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True):
     # Off when the output is parsed for tool calls: some models' tool-call markers are special tokens.
     skip_special_tokens: bool = True
     constraint: Constraint | None = None
+    # None: no log probabilities; 0: the sampled token's; k: and the k most likely tokens'.
+    logprobs: int | None = None
 
 
 # NixlConnector params that move no KV. With KV readback on (vLLM's bidirectional transfer), a decode engine
@@ -78,6 +80,15 @@ class PrefillResult(msgspec.Struct, frozen=True, kw_only=True):
     prefill_ms: float
 
 
+class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
+    """A generated token's log probability; `top`: the most likely tokens (id, text, logprob), best first."""
+
+    token_id: int
+    token: str
+    logprob: float
+    top: list[tuple[int, str, float]]
+
+
 class TokenBatch(msgspec.Struct, frozen=True, kw_only=True):
     """A batch of generated tokens streamed from a decode replica (batched by count and by time, since
     every Ray streaming yield costs ~0.5 ms whatever it carries)."""
@@ -96,6 +107,8 @@ class TokenBatch(msgspec.Struct, frozen=True, kw_only=True):
     node_id: str = ""
     # KV readback on: where this request's blocks stay pinned for a later prefill to pull (vLLM's params).
     pinned_kv: dict[str, Any] | None = None
+    # With Sampling.logprobs set: one per token id.
+    logprobs: list[TokenLogprob] | None = None
 
 
 class EngineStats(msgspec.Struct, frozen=True, kw_only=True):

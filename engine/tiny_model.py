@@ -54,7 +54,8 @@ _ARCH: dict[str, Any] = {
     "rope_theta": 10000.0,
 }
 
-# ChatML, with tools in the system block and tool calls as JSON inside <tool_call> tags (Qwen/Hermes style).
+# ChatML, with tools in the system block and tool calls as JSON inside <tool_call> tags (Qwen/Hermes style);
+# as Qwen3's, `enable_thinking=False` (a chat_template_kwargs variable) closes an empty think block.
 # Tool-call arguments may be a dict (rendered as JSON) or already-encoded JSON text.
 CHAT_TEMPLATE = """\
 {%- if messages and messages[0].role == 'system' %}
@@ -99,6 +100,9 @@ CHAT_TEMPLATE = """\
 {%- endfor %}
 {%- if add_generation_prompt %}
 {{- '<|im_start|>assistant\\n' }}
+{%- if enable_thinking is defined and enable_thinking is false %}
+{{- '<think>\\n\\n</think>\\n\\n' }}
+{%- endif %}
 {%- endif %}
 """
 

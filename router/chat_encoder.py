@@ -109,21 +109,24 @@ class SessionChatEncoder:
         session_id: str | None,
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """Token ids of the rendered chat (equal to `PromptTokenizer.encode_chat`).
 
         The returned list is kept for the session's next turn: callers must not mutate it."""
-        return self.encode_reusing(session_id, messages, tools)[0]
+        return self.encode_reusing(session_id, messages, tools, template_kwargs)[0]
 
     def encode_reusing(
         self,
         session_id: str | None,
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> tuple[list[int], PromptReuse | None]:
         """`encode`, and which of the ids were copied from the session's previous prompt (for the router's
-        block hasher, which then need not compare them)."""
-        text = self._tok.render_chat(messages, tools)
+        block hasher, which then need not compare them). Template variables change the text, so a turn that
+        changes them reuses only what still renders the same."""
+        text = self._tok.render_chat(messages, tools, template_kwargs)
         if session_id is None or self.unsupported is not None:
             ids = self._tok.encode_rendered(text)
             self._count(0, len(ids))

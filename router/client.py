@@ -69,6 +69,9 @@ class GenerateFields(TypedDict, total=False):
     presence_penalty: float
     repetition_penalty: float
     min_p: float
+    logprobs: int
+    # Template variables, e.g. {"enable_thinking": False}.
+    chat_template_kwargs: Mapping[str, Any]
     # "auto", "none", "required", or a function's name.
     tool_choice: str
     parallel_tool_calls: bool
@@ -91,6 +94,8 @@ class Completion:
     # The model's tool calls, whole: {"id", "name", "arguments"} (arguments: JSON text).
     tool_calls: list[dict[str, str]]
     reasoning_text: str
+    # With `logprobs` asked for: one per token id.
+    logprobs: list[pb.TokenLogprob]
     # The stop string that ended generation ("" if none).
     stop_reason: str
     usage: pb.Usage
@@ -114,8 +119,10 @@ def generate_request(**fields: Unpack[GenerateFields]) -> pb.GenerateRequest:
         presence_penalty=fields.get("presence_penalty"),
         repetition_penalty=fields.get("repetition_penalty"),
         min_p=fields.get("min_p"),
+        logprobs=fields.get("logprobs"),
     )
     choice = fields.get("tool_choice")
+    template_kwargs = fields.get("chat_template_kwargs")
     fmt = fields.get("response_format")
     return pb.GenerateRequest(
         model=fields.get("model", ""),
@@ -129,6 +136,7 @@ def generate_request(**fields: Unpack[GenerateFields]) -> pb.GenerateRequest:
         tool_choice=None if choice is None else tool_choice(choice),
         parallel_tool_calls=fields.get("parallel_tool_calls"),
         response_format=None if fmt is None else response_format(fmt),
+        chat_template_kwargs_json=json.dumps(template_kwargs) if template_kwargs else "",
     )
 
 
@@ -164,12 +172,14 @@ def tokenize_request(
     messages: Sequence[Mapping[str, Any]] = (),
     tools: Sequence[Mapping[str, Any]] = (),
     model: str = "",
+    chat_template_kwargs: Mapping[str, Any] | None = None,
 ) -> pb.TokenizeRequest:
     return pb.TokenizeRequest(
         model=model,
         prompt=prompt,
         messages=[chat_message(m) for m in messages],
         tools=[tool(t) for t in tools],
+        chat_template_kwargs_json=json.dumps(chat_template_kwargs) if chat_template_kwargs else "",
     )
 
 
@@ -219,6 +229,7 @@ class _CompletionBuilder:
         self.reasoning: list[str] = []
         self.token_ids: list[int] = []
         self.calls: dict[int, dict[str, str]] = {}
+        self.logprobs: list[pb.TokenLogprob] = []
         self.final: pb.Final | None = None
 
     def add(self, response: pb.GenerateResponse) -> None:
@@ -226,6 +237,7 @@ class _CompletionBuilder:
         self.text.append(response.text)
         self.reasoning.append(response.reasoning_text)
         self.token_ids.extend(response.token_ids)
+        self.logprobs.extend(response.logprobs)
         for delta in response.tool_calls:
             call = self.calls.setdefault(delta.index, {"id": "", "name": "", "arguments": ""})
             call["id"] = call["id"] or delta.id
@@ -244,6 +256,7 @@ class _CompletionBuilder:
             finish_reason=_FINISH_REASONS.get(self.final.finish_reason, "unspecified"),
             tool_calls=[self.calls[i] for i in sorted(self.calls)],
             reasoning_text="".join(self.reasoning),
+            logprobs=self.logprobs,
             stop_reason=self.final.stop_reason,
             usage=self.final.usage,
             served_by=self.final.served_by,
@@ -333,9 +346,16 @@ class PdserveClient:
         messages: Sequence[Mapping[str, Any]] = (),
         tools: Sequence[Mapping[str, Any]] = (),
         model: str = "",
+        chat_template_kwargs: Mapping[str, Any] | None = None,
         timeout: float | None = None,
     ) -> pb.TokenizeResponse:
-        request = tokenize_request(prompt=prompt, messages=messages, tools=tools, model=model)
+        request = tokenize_request(
+            prompt=prompt,
+            messages=messages,
+            tools=tools,
+            model=model,
+            chat_template_kwargs=chat_template_kwargs,
+        )
         with _grpc_errors():
             response: pb.TokenizeResponse = self._stub.Tokenize(
                 request, metadata=self._options.metadata, timeout=self._options.deadline(timeout)
@@ -441,9 +461,16 @@ class AsyncPdserveClient:
         messages: Sequence[Mapping[str, Any]] = (),
         tools: Sequence[Mapping[str, Any]] = (),
         model: str = "",
+        chat_template_kwargs: Mapping[str, Any] | None = None,
         timeout: float | None = None,  # noqa: ASYNC109
     ) -> pb.TokenizeResponse:
-        request = tokenize_request(prompt=prompt, messages=messages, tools=tools, model=model)
+        request = tokenize_request(
+            prompt=prompt,
+            messages=messages,
+            tools=tools,
+            model=model,
+            chat_template_kwargs=chat_template_kwargs,
+        )
         with _grpc_errors():
             response: pb.TokenizeResponse = await self._stub.Tokenize(
                 request, metadata=self._options.metadata, timeout=self._options.deadline(timeout)

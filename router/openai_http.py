@@ -49,12 +49,9 @@ _FINISH = {
 _UNSUPPORTED = {
     "n": lambda v: v not in (None, 1),
     "best_of": lambda v: v not in (None, 1),
-    "logprobs": lambda v: bool(v),
-    "top_logprobs": lambda v: bool(v),
     "prompt_logprobs": lambda v: v is not None,
     "logit_bias": lambda v: bool(v),
     "echo": lambda v: bool(v),
-    "chat_template_kwargs": lambda v: bool(v),
 }
 
 
@@ -199,7 +196,20 @@ def _sampling(req: Any) -> pb.SamplingParams:
         presence_penalty=req.presence_penalty,
         repetition_penalty=req.repetition_penalty,
         min_p=req.min_p,
+        logprobs=_logprobs(req),
     )
+
+
+def _logprobs(req: Any) -> int | None:
+    """Chat: `logprobs: true` and `top_logprobs: k`; completions: `logprobs: k`."""
+    logprobs = req.logprobs
+    if isinstance(logprobs, bool) or logprobs is None:  # chat
+        if not logprobs:
+            if getattr(req, "top_logprobs", None):
+                raise _BadRequest("top_logprobs", "needs logprobs: true")
+            return None
+        return int(getattr(req, "top_logprobs", None) or 0)
+    return int(logprobs)
 
 
 def _chat_request(req: Any) -> pb.GenerateRequest:
@@ -225,6 +235,8 @@ def _chat_request(req: Any) -> pb.GenerateRequest:
             )
         if req.parallel_tool_calls is False:
             out.parallel_tool_calls = False
+    if req.chat_template_kwargs:
+        out.chat_template_kwargs_json = json.dumps(req.chat_template_kwargs)
     _response_format(req, out)
     return out
 
@@ -319,6 +331,7 @@ class _Output:
         self.text: list[str] = []
         self.reasoning: list[str] = []
         self.calls: dict[int, dict[str, Any]] = {}
+        self.logprobs: list[pb.TokenLogprob] = []
         self.final: pb.Final | None = None
         self.started = False
 
@@ -327,6 +340,7 @@ class _Output:
     def add(self, m: pb.GenerateResponse) -> None:
         self.text.append(m.text)
         self.reasoning.append(m.reasoning_text)
+        self.logprobs.extend(m.logprobs)
         for d in m.tool_calls:
             call = self.calls.setdefault(
                 d.index, {"id": "", "type": "function", "function": {"name": "", "arguments": ""}}
@@ -370,7 +384,12 @@ class _ChatOutput(_Output):
             message["reasoning"] = "".join(self.reasoning)
         if self.calls:
             message["tool_calls"] = [self.calls[i] for i in sorted(self.calls)]
-        choice = {"index": 0, "message": message, "finish_reason": self.finish_reason()}
+        choice = {
+            "index": 0,
+            "message": message,
+            "logprobs": _chat_logprobs(self.logprobs) if self.logprobs else None,
+            "finish_reason": self.finish_reason(),
+        }
         return {**self.envelope("chat.completion", [choice]), "usage": self.usage()}
 
     def chunks(self, m: pb.GenerateResponse) -> list[dict[str, Any]]:
@@ -387,7 +406,12 @@ class _ChatOutput(_Output):
         self.add(m)
         out = []
         if delta or self.final is not None:
-            choice = {"index": 0, "delta": delta, "finish_reason": self.finish_reason()}
+            choice = {
+                "index": 0,
+                "delta": delta,
+                "logprobs": _chat_logprobs(m.logprobs) if m.logprobs else None,
+                "finish_reason": self.finish_reason(),
+            }
             out.append(self.envelope("chat.completion.chunk", [choice]))
         if self.final is not None and self.include_usage:
             out.append({**self.envelope("chat.completion.chunk", []), "usage": self.usage()})
@@ -401,7 +425,7 @@ class _CompletionOutput(_Output):
         choice = {
             "index": 0,
             "text": "".join(self.text),
-            "logprobs": None,
+            "logprobs": _completion_logprobs(self.logprobs) if self.logprobs else None,
             "finish_reason": self.finish_reason(),
         }
         return {**self.envelope("text_completion", [choice]), "usage": self.usage()}
@@ -410,11 +434,36 @@ class _CompletionOutput(_Output):
         self.add(m)
         out = []
         if m.text or self.final is not None:
-            choice = {"index": 0, "text": m.text, "logprobs": None, "finish_reason": self.finish_reason()}
+            choice = {
+                "index": 0,
+                "text": m.text,
+                "logprobs": _completion_logprobs(m.logprobs) if m.logprobs else None,
+                "finish_reason": self.finish_reason(),
+            }
             out.append(self.envelope("text_completion", [choice]))
         if self.final is not None and self.include_usage:
             out.append({**self.envelope("text_completion", []), "usage": self.usage()})
         return out
+
+
+def _chat_logprobs(logprobs: Any) -> dict[str, Any]:
+    def entry(token: str, logprob: float) -> dict[str, Any]:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+    return {
+        "content": [
+            {**entry(lp.token, lp.logprob), "top_logprobs": [entry(t.token, t.logprob) for t in lp.top]}
+            for lp in logprobs
+        ]
+    }
+
+
+def _completion_logprobs(logprobs: Any) -> dict[str, Any]:
+    return {
+        "tokens": [lp.token for lp in logprobs],
+        "token_logprobs": [lp.logprob for lp in logprobs],
+        "top_logprobs": [{t.token: t.logprob for t in lp.top} for lp in logprobs],
+    }
 
 
 def _delta_call(d: pb.ToolCallDelta) -> dict[str, Any]:
@@ -455,7 +504,13 @@ class HttpServer:
 
         key, cert = tls if tls else (None, None)
         config = uvicorn.Config(
-            app, log_level="warning", access_log=False, lifespan="off", ssl_keyfile=key, ssl_certfile=cert
+            app,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            ssl_keyfile=key,
+            ssl_certfile=cert,
+            timeout_graceful_shutdown=10,  # as the gRPC server's grace: in-flight streams get 10 s to finish
         )
         self._server = _Server(config)
         self._address = (host, port)

@@ -266,7 +266,7 @@ class Orchestrator:
                     yield batch
                     continue
                 # The last batch: stream its tokens, then the summary.
-                yield TokenBatch(token_ids=batch.token_ids, text=batch.text)
+                yield TokenBatch(token_ids=batch.token_ids, text=batch.text, logprobs=batch.logprobs)
                 yield Completion(
                     finish_reason=batch.finish_reason,
                     stop_reason=batch.stop_reason,

@@ -24,7 +24,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from engine.messages import Sampling, TokenBatch
+from engine.messages import Sampling, TokenBatch, TokenLogprob
 from router.api import pdserve_pb2 as pb
 from router.api import pdserve_pb2_grpc as pb_grpc
 from router.block_hash import PromptReuse
@@ -213,7 +213,7 @@ class PdserveService(pb_grpc.PdserveServicer):
                     if event.token_ids and first_token_at is None:
                         first_token_at = time.monotonic()
                     parsed = output.feed(event.token_ids, event.text)
-                    yield _response(request_id, parsed, token_ids=event.token_ids)
+                    yield _response(request_id, parsed, token_ids=event.token_ids, logprobs=event.logprobs)
                 else:
                     self._record(event, first_token_at, started)
                     self._router.turn_done(
@@ -241,7 +241,9 @@ class PdserveService(pb_grpc.PdserveServicer):
         if prompt.kind == "prompt":
             return await asyncio.to_thread(self._tokenizer.encode_text, prompt.prompt), None
         # A session's chat is encoded incrementally: only the text its new turn appended.
-        return await asyncio.to_thread(self._chat.encode_reusing, session_id, prompt.messages, prompt.tools)
+        return await asyncio.to_thread(
+            self._chat.encode_reusing, session_id, prompt.messages, prompt.tools, prompt.template_kwargs
+        )
 
     def _record(self, c: Completion, first_token_at: float | None, started: float) -> None:
         m = self._metrics
@@ -318,9 +320,22 @@ async def _abort_internal(
 
 
 def _response(
-    request_id: str, parsed: ParsedDelta, token_ids: list[int] | None = None, final: pb.Final | None = None
+    request_id: str,
+    parsed: ParsedDelta,
+    token_ids: list[int] | None = None,
+    final: pb.Final | None = None,
+    logprobs: list[TokenLogprob] | None = None,
 ) -> pb.GenerateResponse:
     return pb.GenerateResponse(
+        logprobs=[
+            pb.TokenLogprob(
+                token_id=lp.token_id,
+                token=lp.token,
+                logprob=lp.logprob,
+                top=[pb.TopLogprob(token_id=t, token=tok, logprob=p) for t, tok, p in lp.top],
+            )
+            for lp in logprobs or ()
+        ],
         request_id=request_id,
         token_ids=token_ids,
         text=parsed.content,

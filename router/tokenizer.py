@@ -124,14 +124,24 @@ class PromptTokenizer:
         with self._lock:
             return list(self._tokenizer.encode(text, add_special_tokens=True))
 
-    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
-        """The chat template's text for these messages, ending with the assistant's generation prompt."""
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        """The chat template's text for these messages, ending with the assistant's generation prompt.
+        `template_kwargs`: variables for the template (validated: none of apply_chat_template's own)."""
         if self._tokenizer.chat_template is None:
             raise ValueError("this model has no chat template: send a prompt or token ids instead")
         try:
             with self._lock:
                 text = self._tokenizer.apply_chat_template(
-                    messages, tools=list(tools) if tools else None, tokenize=False, add_generation_prompt=True
+                    messages,
+                    tools=list(tools) if tools else None,
+                    tokenize=False,
+                    add_generation_prompt=True,
+                    **(template_kwargs or {}),
                 )
         except jinja2.TemplateError as exc:
             # Templates reject conversations they cannot render (e.g. roles out of order).
@@ -139,10 +149,13 @@ class PromptTokenizer:
         return str(text)
 
     def encode_chat(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """Token ids of the rendered chat; the template itself writes any BOS and role tokens."""
-        return self.encode_rendered(self.render_chat(messages, tools))
+        return self.encode_rendered(self.render_chat(messages, tools, template_kwargs))
 
     def encode_rendered(self, text: str) -> list[int]:
         """Token ids of chat-template output (or a piece of it): no special tokens added."""

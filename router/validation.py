@@ -24,6 +24,7 @@ from router.tokenizer import ChatInputError, message_dicts, tool_dicts
 ROLES = ("system", "user", "assistant", "tool")
 MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 16
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 MAX_ID_LENGTH = 256
 _XGRAMMAR_WHERE = re.compile(r"\[\d\d:\d\d:\d\d\] \S+:\d+: ")
 _INPUT_FIELDS = ("prompt", "messages", "prompt_token_ids")
@@ -57,6 +58,7 @@ class PromptInput(msgspec.Struct, frozen=True, kw_only=True):
     # Chat-template dicts (tool-call arguments and tool schemas parsed from their JSON).
     messages: list[dict[str, Any]] = msgspec.field(default_factory=list)
     tools: list[dict[str, Any]] | None = None
+    template_kwargs: dict[str, Any] | None = None
     prompt_token_ids: list[int] = msgspec.field(default_factory=list)
 
 
@@ -79,6 +81,7 @@ def validate_generate(
     previous turn, `router.token_sessions`); only the ids after them are converted and checked."""
     _check_model(req.model, limits)
     prompt = _prompt_input(req.prompt, req.messages, req.prompt_token_ids, req.tools, limits, token_prefix)
+    prompt = _with_template_kwargs(prompt, req.chat_template_kwargs_json)
     for name, value in (("session_id", req.session_id), ("request_id", req.request_id)):
         if len(value) > MAX_ID_LENGTH:
             raise InvalidRequest(name, f"at most {MAX_ID_LENGTH} characters, got {len(value)}")
@@ -96,7 +99,8 @@ def validate_generate(
 
 def validate_tokenize(req: pdserve_pb2.TokenizeRequest, limits: ModelLimits) -> PromptInput:
     _check_model(req.model, limits)
-    return _prompt_input(req.prompt, req.messages, (), req.tools, limits)
+    prompt = _prompt_input(req.prompt, req.messages, (), req.tools, limits)
+    return _with_template_kwargs(prompt, req.chat_template_kwargs_json)
 
 
 def check_prompt_length(
@@ -183,6 +187,28 @@ def _check_messages(messages: Sequence[pdserve_pb2.ChatMessage]) -> None:
         for j, call in enumerate(message.tool_calls):
             if not call.name:
                 raise InvalidRequest(f"{field}.tool_calls[{j}].name", "a tool call needs a function name")
+
+
+# apply_chat_template's own arguments: a template variable must not change how pdserve renders.
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+     "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+     "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
+)  # fmt: skip
+
+
+def _with_template_kwargs(prompt: PromptInput, text: str) -> PromptInput:
+    field = "chat_template_kwargs_json"
+    if not text:
+        return prompt
+    if prompt.kind != "messages":
+        raise InvalidRequest(field, "only with messages")
+    kwargs = _json(text, field)
+    if not isinstance(kwargs, dict):
+        raise InvalidRequest(field, "must be a JSON object")
+    if reserved := sorted(_RESERVED_TEMPLATE_KWARGS & set(kwargs)):
+        raise InvalidRequest(field, f"{', '.join(reserved)}: set by pdserve, not a template variable")
+    return msgspec.structs.replace(prompt, template_kwargs=kwargs)
 
 
 _TOOL_CHOICE: dict[int, ToolChoiceMode] = {
@@ -316,7 +342,16 @@ def _sampling(params: pdserve_pb2.SamplingParams, limits: ModelLimits) -> Sampli
         presence_penalty=_in_range(params, "presence_penalty", -2.0, 2.0, 0.0),
         repetition_penalty=_in_range(params, "repetition_penalty", 0.0, 2.0, 1.0, low_open=True),
         min_p=_in_range(params, "min_p", 0.0, 1.0, 0.0),
+        logprobs=_logprobs(params),
     )
+
+
+def _logprobs(params: pdserve_pb2.SamplingParams) -> int | None:
+    if not params.HasField("logprobs"):
+        return None
+    if not 0 <= params.logprobs <= MAX_LOGPROBS:
+        raise InvalidRequest("sampling.logprobs", f"must be in [0, {MAX_LOGPROBS}]; got {params.logprobs}")
+    return params.logprobs
 
 
 def _in_range(

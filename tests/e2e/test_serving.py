@@ -357,6 +357,34 @@ def test_vllm_bench_serve_runs_against_the_http_door(cluster: Any) -> None:
     assert re.search(r"Failed requests:\s+0\b", bench.stdout)
 
 
+def test_logprobs_and_template_variables(client: PdserveClient, cluster: Any) -> None:
+    import openai
+
+    done = client.generate_text(prompt=TEXTS[0], max_tokens=8, temperature=0.0, logprobs=2)
+    assert [lp.token_id for lp in done.logprobs] == done.token_ids
+    for lp in done.logprobs:
+        assert lp.logprob <= 0 and len(lp.top) == 2
+        assert lp.top[0].token_id == lp.token_id  # greedy: the sampled token is the most likely
+        assert lp.top[0].logprob >= lp.top[1].logprob
+    http = openai.OpenAI(base_url=cluster.http_url + "/v1", api_key="unused", max_retries=0)
+    r = http.chat.completions.create(
+        model="tiny-llama",
+        messages=ASK,
+        max_tokens=4,
+        logprobs=True,
+        top_logprobs=3,  # type: ignore[arg-type]
+    )
+    content = (r.choices[0].logprobs and r.choices[0].logprobs.content) or []
+    assert len(content) == r.usage.completion_tokens and all(len(c.top_logprobs) == 3 for c in content)  # type: ignore[union-attr]
+    # chat_template_kwargs: the built-in template's enable_thinking, as Qwen3's.
+    off = {"enable_thinking": False}
+    ids = client.tokenize(messages=ASK).token_ids
+    ids_off = client.tokenize(messages=ASK, chat_template_kwargs=off).token_ids
+    assert len(ids_off) > len(ids) and list(ids_off[: len(ids)]) == list(ids)
+    done = client.generate_text(messages=ASK, chat_template_kwargs=off, max_tokens=4)
+    assert done.usage.prompt_tokens == len(ids_off)
+
+
 def test_a_prefill_whose_kv_no_decode_will_pull_is_freed_at_once_when_released(cluster: Any) -> None:
     """What the router does for a request cancelled, expired or moved between its legs (router/orchestrator.py
     `_releasing_unpulled_kv`): the decode replica tells the prefill engine, over NIXL, to free the KV it keeps

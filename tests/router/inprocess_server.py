@@ -5,9 +5,11 @@ that streams two tokens for any request. For tests of the endpoint itself; tests
 from __future__ import annotations
 
 import asyncio
+import tempfile
 import threading
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from grpc_health.v1 import health_pb2
@@ -153,7 +155,13 @@ def endpoint(
                 serving=lambda: True,
                 auth_token=auth_token,
             )
-            http = HttpServer(app, "127.0.0.1", http_port)
+            files = None
+            if tls is not None:  # uvicorn reads the key and certificate from files
+                folder = Path(tempfile.mkdtemp(prefix="pdserve-tls-"))
+                (folder / "key.pem").write_bytes(tls[0])
+                (folder / "cert.pem").write_bytes(tls[1])
+                files = (str(folder / "key.pem"), str(folder / "cert.pem"))
+            http = HttpServer(app, "127.0.0.1", http_port, tls=files)
             await http.start()
         stop.append(asyncio.Event())
         started.set()

@@ -43,7 +43,9 @@ def door(request: pytest.FixtureRequest) -> Iterator[Door]:
     seen: list[EngineRequest] = []
     port = free_port()
     with endpoint(output=output, seen=seen, http_port=port, auth_token=TOKEN):
-        yield Door(f"http://127.0.0.1:{port}", seen)
+        door = Door(f"http://127.0.0.1:{port}", seen)
+        with door.client:
+            yield door
 
 
 @pytest.mark.parametrize("door", [["Let me look. ", CALL]], indirect=True)
@@ -126,11 +128,12 @@ def test_models_and_health(door: Door) -> None:
     [
         ({"temperature": 5.0}, "sampling.temperature"),
         ({"n": 2}, "n"),
-        ({"logprobs": True}, "logprobs"),
+        ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+        ({"logprobs": True, "top_logprobs": 20, "extra_body": {"top_logprobs": 25}}, "logprobs"),
         ({"model": "gpt-4"}, "model"),
         ({"tool_choice": "required"}, "tool_choice"),
     ],
-    ids=["temperature", "n", "logprobs", "unknown model", "tool choice without tools"],
+    ids=["temperature", "n", "logit bias", "too many logprobs", "unknown model", "tool choice without tools"],
 )
 def test_bad_requests_get_openai_errors_naming_the_field(
     door: Door, kwargs: dict[str, Any], param: str
@@ -161,3 +164,21 @@ def test_a_body_that_is_not_json_is_400(door: Door) -> None:
         urllib.request.urlopen(req, timeout=10)
     assert info.value.code == 400
     assert "not JSON" in json.loads(info.value.read())["error"]["message"]
+
+
+def test_the_door_speaks_tls_with_the_same_certificate_as_grpc(tmp_path: Any) -> None:
+    import httpx
+    from test_auth import self_signed
+
+    key, cert = self_signed()
+    (tmp_path / "cert.pem").write_bytes(cert)
+    port = free_port()
+    with endpoint(tls=(key, cert), auth_token=TOKEN, http_port=port):
+        verified = httpx.Client(verify=str(tmp_path / "cert.pem"))
+        with openai.OpenAI(
+            base_url=f"https://127.0.0.1:{port}/v1", api_key=TOKEN, max_retries=0, http_client=verified
+        ) as client:
+            assert [m.id for m in client.models.list()] == ["tiny-llama"]
+        plaintext = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=TOKEN, max_retries=0)
+        with plaintext, pytest.raises(openai.APIConnectionError):
+            plaintext.models.list()

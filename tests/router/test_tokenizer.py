@@ -165,3 +165,12 @@ def test_concurrent_calls_match_serial_results(tokenizer: PromptTokenizer) -> No
 def test_model_dir_is_never_fetched_from_the_hub(tmp_path: Path) -> None:
     with pytest.raises(OSError):
         PromptTokenizer(tmp_path / "no-such-model")
+
+
+def test_template_variables_reach_the_chat_template(tokenizer: PromptTokenizer) -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    plain = tokenizer.render_chat(messages)
+    no_thinking = tokenizer.render_chat(messages, None, {"enable_thinking": False})
+    assert plain.endswith("<|im_start|>assistant\n")
+    assert no_thinking == plain + "<think>\n\n</think>\n\n"
+    assert tokenizer.render_chat(messages, None, {"enable_thinking": True}) == plain

@@ -165,6 +165,16 @@ INVALID: list[tuple[str, pb.GenerateRequest, str]] = [
         "response_format.choice",
     ),
     ("format unset", generate(response_format=pb.ResponseFormat()), "response_format"),
+    ("logprobs above 20", generate(sampling={"logprobs": 21}), "sampling.logprobs"),
+    ("negative logprobs", generate(sampling={"logprobs": -1}), "sampling.logprobs"),
+    ("template kwargs with a prompt", generate(chat_template_kwargs_json="{}x"), "chat_template_kwargs_json"),
+    ("template kwargs not JSON", chat_with_tools(chat_template_kwargs_json="{"), "chat_template_kwargs_json"),
+    ("template kwargs a list", chat_with_tools(chat_template_kwargs_json="[]"), "chat_template_kwargs_json"),
+    (
+        "template kwargs override the renderer",
+        chat_with_tools(chat_template_kwargs_json='{"tokenize": true}'),
+        "chat_template_kwargs_json",
+    ),
     ("request id too long", generate(request_id="r" * 257), "request_id"),
 ]
 
@@ -351,3 +361,13 @@ def test_a_constraint_the_grammar_backend_cannot_compile_is_refused(constraint: 
         check_constraint(Sampling(constraint=constraint))
     assert info.value.field == "response_format"
     assert ".cc:" not in info.value.message and "/" not in info.value.message  # no C++ source path
+
+
+def test_template_variables_and_logprobs_come_through() -> None:
+    valid = validate_generate(
+        chat_with_tools(chat_template_kwargs_json='{"enable_thinking": false}', sampling={"logprobs": 0}),
+        LIMITS,
+    )
+    assert valid.input.template_kwargs == {"enable_thinking": False}
+    assert valid.sampling.logprobs == 0
+    assert validate_generate(generate(), LIMITS).sampling.logprobs is None
