@@ -83,6 +83,11 @@ sampling = st.builds(
     seed=st.integers(min_value=-(2**63), max_value=2**63 - 1),
     stop=st.lists(texts, max_size=20),
     ignore_eos=st.booleans(),
+    stop_token_ids=st.lists(st.integers(min_value=0, max_value=2**32 - 1), max_size=20),
+    frequency_penalty=floats,
+    repetition_penalty=floats,
+    min_p=floats,
+    logprobs=numbers,
 )
 tool_calls = st.builds(
     pb.ToolCall, id=texts, name=texts, arguments_json=st.one_of(texts, st.integers(1, 5000).map(nested_json))
@@ -101,6 +106,17 @@ tools = st.builds(
     description=texts,
     parameters_json=st.one_of(texts, st.integers(1, 5000).map(nested_json)),
 )
+schemas = st.one_of(texts, st.integers(1, 5000).map(nested_json), st.just('{"type": "object"}'))
+response_formats = st.one_of(
+    st.builds(pb.ResponseFormat, json_schema=schemas),
+    st.builds(pb.ResponseFormat, json_object=st.booleans()),
+    st.builds(pb.ResponseFormat, regex=texts),
+    st.builds(
+        pb.ResponseFormat, choice=st.builds(pb.ResponseFormat.Choices, choices=st.lists(texts, max_size=5))
+    ),
+    st.just(pb.ResponseFormat()),
+)
+tool_choices = st.builds(pb.ToolChoice, mode=st.integers(0, 7), function_name=texts)
 requests = st.builds(
     pb.GenerateRequest,
     model=st.one_of(st.just(""), st.just("tiny-llama"), texts),
@@ -111,6 +127,10 @@ requests = st.builds(
     sampling=sampling,
     session_id=texts,
     request_id=texts,
+    tool_choice=st.one_of(st.none(), tool_choices),
+    parallel_tool_calls=st.one_of(st.none(), st.booleans()),
+    response_format=st.one_of(st.none(), response_formats),
+    chat_template_kwargs_json=st.one_of(st.just(""), texts, st.just('{"enable_thinking": false}')),
 )
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
