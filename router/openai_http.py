@@ -320,7 +320,7 @@ def _response_format(req: Any, out: pb.GenerateRequest) -> None:
 class _Output:
     """Gathers a Generate stream for one OpenAI response, or turns each message into chunks."""
 
-    object_whole = ""
+    prefix = ""
     object_chunk = ""
 
     def __init__(self, *, model_name: str, include_usage: bool) -> None:
@@ -335,8 +335,6 @@ class _Output:
         self.final: pb.Final | None = None
         self.started = False
 
-    prefix = "cmpl"
-
     def add(self, m: pb.GenerateResponse) -> None:
         self.text.append(m.text)
         self.reasoning.append(m.reasoning_text)
@@ -350,7 +348,6 @@ class _Output:
             call["function"]["arguments"] += d.arguments_json
         if m.HasField("final"):
             self.final = m.final
-            self.model = self.model or ""
 
     def usage(self) -> dict[str, Any]:
         assert self.final is not None
@@ -374,9 +371,34 @@ class _Output:
             "choices": choices,
         }
 
+    def chunks(self, m: pb.GenerateResponse) -> list[dict[str, Any]]:
+        """The SSE chunks for one streamed message: its choice delta (if it has any), the usage at the end."""
+        fields, has_content = self.piece(m)
+        self.add(m)
+        out = []
+        if has_content or self.final is not None:
+            choice = {
+                "index": 0,
+                **fields,
+                "logprobs": self.logprobs_json(m.logprobs) if m.logprobs else None,
+                "finish_reason": self.finish_reason(),
+            }
+            out.append(self.envelope(self.object_chunk, [choice]))
+        if self.final is not None and self.include_usage:
+            out.append({**self.envelope(self.object_chunk, []), "usage": self.usage()})
+        return out
+
+    def piece(self, m: pb.GenerateResponse) -> tuple[dict[str, Any], bool]:
+        """This message's part of a chunk's choice, and whether it carries anything."""
+        raise NotImplementedError
+
+    def logprobs_json(self, logprobs: Any) -> dict[str, Any]:
+        raise NotImplementedError
+
 
 class _ChatOutput(_Output):
     prefix = "chatcmpl"
+    object_chunk = "chat.completion.chunk"
 
     def whole(self) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": "".join(self.text) or None}
@@ -392,7 +414,7 @@ class _ChatOutput(_Output):
         }
         return {**self.envelope("chat.completion", [choice]), "usage": self.usage()}
 
-    def chunks(self, m: pb.GenerateResponse) -> list[dict[str, Any]]:
+    def piece(self, m: pb.GenerateResponse) -> tuple[dict[str, Any], bool]:
         delta: dict[str, Any] = {}
         if not self.started:
             delta["role"] = "assistant"
@@ -403,23 +425,15 @@ class _ChatOutput(_Output):
             delta["reasoning"] = m.reasoning_text
         if m.tool_calls:
             delta["tool_calls"] = [_delta_call(d) for d in m.tool_calls]
-        self.add(m)
-        out = []
-        if delta or self.final is not None:
-            choice = {
-                "index": 0,
-                "delta": delta,
-                "logprobs": _chat_logprobs(m.logprobs) if m.logprobs else None,
-                "finish_reason": self.finish_reason(),
-            }
-            out.append(self.envelope("chat.completion.chunk", [choice]))
-        if self.final is not None and self.include_usage:
-            out.append({**self.envelope("chat.completion.chunk", []), "usage": self.usage()})
-        return out
+        return {"delta": delta}, bool(delta)
+
+    def logprobs_json(self, logprobs: Any) -> dict[str, Any]:
+        return _chat_logprobs(logprobs)
 
 
 class _CompletionOutput(_Output):
     prefix = "cmpl"
+    object_chunk = "text_completion"
 
     def whole(self) -> dict[str, Any]:
         choice = {
@@ -430,20 +444,11 @@ class _CompletionOutput(_Output):
         }
         return {**self.envelope("text_completion", [choice]), "usage": self.usage()}
 
-    def chunks(self, m: pb.GenerateResponse) -> list[dict[str, Any]]:
-        self.add(m)
-        out = []
-        if m.text or self.final is not None:
-            choice = {
-                "index": 0,
-                "text": m.text,
-                "logprobs": _completion_logprobs(m.logprobs) if m.logprobs else None,
-                "finish_reason": self.finish_reason(),
-            }
-            out.append(self.envelope("text_completion", [choice]))
-        if self.final is not None and self.include_usage:
-            out.append({**self.envelope("text_completion", []), "usage": self.usage()})
-        return out
+    def piece(self, m: pb.GenerateResponse) -> tuple[dict[str, Any], bool]:
+        return {"text": m.text}, bool(m.text)
+
+    def logprobs_json(self, logprobs: Any) -> dict[str, Any]:
+        return _completion_logprobs(logprobs)
 
 
 def _chat_logprobs(logprobs: Any) -> dict[str, Any]:
