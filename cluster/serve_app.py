@@ -36,6 +36,8 @@ def engine_spec(topo: Topology, role: str) -> EngineSpec:
         "enable_expert_parallel": engine.enable_expert_parallel,
         "enforce_eager": engine.enforce_eager,
     }
+    if topo.model.trust_remote_code:  # e.g. Kimi's tokenizer and config ship as code in the checkpoint
+        args["trust_remote_code"] = True
     # Unset limits keep vLLM's own defaults for the device.
     if engine.max_num_seqs is not None:
         args["max_num_seqs"] = engine.max_num_seqs

@@ -56,7 +56,7 @@ class RouterProcess:
         self.app_name = app_name
         self.metrics = RouterMetrics()
         self._serving: bool | None = None  # what grpc.health.v1 says now (None: not yet set)
-        tokenizer = PromptTokenizer(model_dir)
+        tokenizer = PromptTokenizer(model_dir, trust_remote_code=topo.model.trust_remote_code)
         has_prefill = topo.pools.prefill.replicas > 0
         prefill = serve.get_deployment_handle("prefill", app_name) if has_prefill else None
         decode = serve.get_deployment_handle("decode", app_name)

@@ -96,12 +96,16 @@ def _json_object(text: str, field: str) -> dict[str, Any]:
 class PromptTokenizer:
     """A model's tokenizer and chat template, loaded from a local model directory (never the hub)."""
 
-    def __init__(self, model_dir: str | Path) -> None:
+    def __init__(self, model_dir: str | Path, *, trust_remote_code: bool = False) -> None:
+        """`trust_remote_code`: run the tokenizer code the model directory ships (topology
+        `model.trust_remote_code`; e.g. Kimi-K2's), as the engines do."""
         # Imported here, not at the top: transformers imports torch (seconds), and validation uses this
         # module's conversion helpers without ever loading a tokenizer.
         from transformers import AutoTokenizer
 
-        self._tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        self._tokenizer = AutoTokenizer.from_pretrained(
+            str(model_dir), local_files_only=True, trust_remote_code=trust_remote_code
+        )
         self._lock = threading.Lock()
 
     @property

@@ -45,3 +45,12 @@ def test_engine_args_pass_through_and_unset_limits_keep_vllm_defaults() -> None:
 def test_a_remote_ray_cluster_binds_engine_side_channels_to_the_node_ip() -> None:
     topo = parse_topology("ray: {address: '10.0.0.1:6379'}")
     assert engine_spec(topo, "prefill").bind_host is None
+
+
+def test_trust_remote_code_reaches_the_engines_only_when_the_topology_says_so() -> None:
+    h200 = load_topology(LOCAL.with_name("h200-kimi-k2.yaml"))
+    assert h200.model.trust_remote_code
+    assert all(
+        engine_spec(h200, role).engine_args["trust_remote_code"] is True for role in ("prefill", "decode")
+    )
+    assert "trust_remote_code" not in engine_spec(load_topology(LOCAL), "decode").engine_args

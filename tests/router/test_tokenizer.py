@@ -174,3 +174,20 @@ def test_template_variables_reach_the_chat_template(tokenizer: PromptTokenizer) 
     assert plain.endswith("<|im_start|>assistant\n")
     assert no_thinking == plain + "<think>\n\n</think>\n\n"
     assert tokenizer.render_chat(messages, None, {"enable_thinking": True}) == plain
+
+
+def test_the_tokenizer_runs_model_code_only_when_trusted(monkeypatch: pytest.MonkeyPatch) -> None:
+    import transformers
+
+    seen: list[dict[str, object]] = []
+    load = transformers.AutoTokenizer.from_pretrained
+
+    def spy(path: str, **kwargs: object) -> object:
+        seen.append(kwargs)
+        return load(path, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", spy)
+    PromptTokenizer(ensure_tiny_model())
+    PromptTokenizer(ensure_tiny_model(), trust_remote_code=True)
+    assert [k["trust_remote_code"] for k in seen] == [False, True]
+    assert all(k["local_files_only"] is True for k in seen)  # never the hub
