@@ -304,6 +304,7 @@ class Topology(_Config, frozen=True, kw_only=True):
         _check_model(self)
         for role, pool in self.pools.items():
             _check_pool(role, pool)
+            _check_batch_limits(f"pools.{role}", pool.engine, self.model.max_model_len)
         _check_pools_together(self.pools)
         _check_server_and_ray(self.server, self.ray)
         if self.nodes is not None:
@@ -595,10 +596,40 @@ def _check_threads_bind(at: str, bind: str) -> None:
 
 
 def _check_engine_extra(at: str, extra: dict[str, Any]) -> None:
+    known = vllm_engine_arg_names() if extra else frozenset()
     for key in extra:
         if key in _OWNED_ENGINE_ARGS:
             owner = _OWNED_ENGINE_ARGS[key].format(pool=at)
             raise TopologyError(f"{at}.engine.extra.{key}", f"pdserve sets this from {owner}")
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise TopologyError(f"{at}.engine.extra.{key}", f"not a vLLM engine argument{hint}")
+
+
+def vllm_engine_arg_names() -> frozenset[str]:
+    """vLLM's engine argument names, as listed for the pinned vLLM (scripts/gen_vllm_engine_args.py)."""
+    text = (Path(__file__).with_name("vllm_engine_args.txt")).read_text()
+    return frozenset(line for line in text.splitlines() if line and not line.startswith("#"))
+
+
+def _check_batch_limits(at: str, engine: EngineArgs, max_model_len: int) -> None:
+    """vLLM's own scheduler checks of the batch limits (imports vLLM: only when both limits are set)."""
+    if engine.max_num_seqs is None or engine.max_num_batched_tokens is None:
+        return
+    from vllm.config import SchedulerConfig
+
+    try:
+        SchedulerConfig(
+            max_num_seqs=engine.max_num_seqs,
+            max_num_batched_tokens=engine.max_num_batched_tokens,
+            max_model_len=max_model_len,
+            is_encoder_decoder=False,
+        )
+    except ValueError as exc:  # pydantic's ValidationError is one; its first error says what vLLM checked
+        errors = getattr(exc, "errors", None)
+        reason = errors()[0]["msg"].removeprefix("Value error, ") if callable(errors) else str(exc)
+        raise TopologyError(f"{at}.engine.max_num_batched_tokens", reason) from None
 
 
 def _check_pools_together(pools: Pools) -> None:

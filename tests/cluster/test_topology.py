@@ -389,3 +389,18 @@ def test_threads_bind_may_give_each_replica_its_own_cores() -> None:
     with pytest.raises(TopologyError) as info:
         parse_topology("pools: {decode: {cpu: {threads_bind: []}}}")
     assert info.value.path == "pools.decode.cpu.threads_bind"
+
+
+def test_an_engine_extra_key_vllm_does_not_have_is_refused_with_a_suggestion() -> None:
+    with pytest.raises(TopologyError) as info:
+        parse_topology("pools: {decode: {engine: {extra: {max_logprob: 5}}}}")
+    assert info.value.path == "pools.decode.engine.extra.max_logprob"
+    assert info.value.reason == "not a vLLM engine argument (did you mean 'max_logprobs'?)"
+    assert parse_topology("pools: {decode: {engine: {extra: {max_logprobs: 5}}}}")  # a real one passes
+
+
+def test_impossible_batch_limits_are_refused_by_vllms_own_scheduler_check() -> None:
+    with pytest.raises(TopologyError) as info:
+        parse_topology("pools: {decode: {engine: {max_num_seqs: 100000, max_num_batched_tokens: 8}}}")
+    assert info.value.path == "pools.decode.engine.max_num_batched_tokens"
+    assert "must be greater than or equal to max_num_seqs (100000)" in info.value.reason
