@@ -92,27 +92,31 @@ class OutputParsers:
         return msgspec.structs.replace(sampling, skip_special_tokens=False, constraint=constraint)
 
     def parser(self, tool_use: ToolUse | None) -> OutputParser:
+        """A parser for one request's output (vLLM's parsers keep per-request state)."""
         tools = None if tool_use is None or tool_use.choice == "none" else tool_use
-        return OutputParser(self, tools)
+        if tools is not None and tools.choice == "auto" and self._tool_cls is None:
+            raise ParserNameError("tools need model.tool_call_parser set in the topology")
+        reasoning = self._reasoning_cls(self._tokenizer) if self._reasoning_cls else None
+        tool_parser = None
+        if tools is not None and tools.choice == "auto":
+            tool_parser = self._tool_cls(self._tokenizer, _vllm_request(tools).tools)
+        return OutputParser(tools, tool_parser, reasoning)
 
 
 class OutputParser:
-    """One request's output, parsed batch by batch (stateful: vLLM's parsers diff against what was sent)."""
+    """One request's output, parsed batch by batch (stateful: vLLM's parsers diff against what was sent).
+    `tool_parser`: vLLM's, for tool choice auto; `reasoning`: vLLM's reasoning parser, if the model has
+    one."""
 
-    def __init__(self, parsers: OutputParsers, tool_use: ToolUse | None) -> None:
+    def __init__(self, tool_use: ToolUse | None, tool_parser: Any, reasoning: Any) -> None:
         self._tool_use = tool_use
-        self._reasoning = parsers._reasoning_cls(parsers._tokenizer) if parsers._reasoning_cls else None
+        self._reasoning = reasoning
         self._reasoning_done = False
         self._reasoning_sent = ""
-        self._reasoning_request = _vllm_request(tool_use) if self._reasoning is not None else None
+        self._reasoning_request = _vllm_request(tool_use) if reasoning is not None else None
         self._json_calls = tool_use is not None and tool_use.choice in ("required", "function")
-        self._tools = None
-        self._request: Any = None
-        if tool_use is not None and not self._json_calls:
-            if parsers._tool_cls is None:
-                raise ParserNameError("tools need model.tool_call_parser set in the topology")
-            self._request = _vllm_request(tool_use)
-            self._tools = parsers._tool_cls(parsers._tokenizer, self._request.tools)
+        self._tools = tool_parser
+        self._request = _vllm_request(tool_use) if tool_parser is not None else None
         self._text = ""  # all text so far
         self._ids: list[int] = []
         self._content = ""  # text past the reasoning (what the tool parser sees)
