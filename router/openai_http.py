@@ -359,6 +359,19 @@ class _Output:
             "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
         }
 
+    def served_by(self) -> dict[str, Any]:
+        """pdserve's extension field (clients ignore unknown fields): how the request was served."""
+        assert self.final is not None
+        by, usage = self.final.served_by, self.final.usage
+        return {
+            "path": pb.ServingPath.Name(by.path).removeprefix("SERVING_PATH_").lower(),
+            "prefill_replica": by.prefill_replica,
+            "decode_replica": by.decode_replica,
+            "kv_transferred_tokens": usage.kv_transferred_tokens,
+            "predicted_cached_tokens": usage.predicted_cached_tokens,
+            "note": by.note,
+        }
+
     def finish_reason(self) -> str | None:
         return None if self.final is None else _FINISH.get(self.final.finish_reason, "stop")
 
@@ -383,7 +396,10 @@ class _Output:
                 "logprobs": self.logprobs_json(m.logprobs) if m.logprobs else None,
                 "finish_reason": self.finish_reason(),
             }
-            out.append(self.envelope(self.object_chunk, [choice]))
+            chunk = self.envelope(self.object_chunk, [choice])
+            if self.final is not None:
+                chunk["pdserve"] = self.served_by()
+            out.append(chunk)
         if self.final is not None and self.include_usage:
             out.append({**self.envelope(self.object_chunk, []), "usage": self.usage()})
         return out
@@ -412,7 +428,11 @@ class _ChatOutput(_Output):
             "logprobs": _chat_logprobs(self.logprobs) if self.logprobs else None,
             "finish_reason": self.finish_reason(),
         }
-        return {**self.envelope("chat.completion", [choice]), "usage": self.usage()}
+        return {
+            **self.envelope("chat.completion", [choice]),
+            "usage": self.usage(),
+            "pdserve": self.served_by(),
+        }
 
     def piece(self, m: pb.GenerateResponse) -> tuple[dict[str, Any], bool]:
         delta: dict[str, Any] = {}
@@ -442,7 +462,11 @@ class _CompletionOutput(_Output):
             "logprobs": _completion_logprobs(self.logprobs) if self.logprobs else None,
             "finish_reason": self.finish_reason(),
         }
-        return {**self.envelope("text_completion", [choice]), "usage": self.usage()}
+        return {
+            **self.envelope("text_completion", [choice]),
+            "usage": self.usage(),
+            "pdserve": self.served_by(),
+        }
 
     def piece(self, m: pb.GenerateResponse) -> tuple[dict[str, Any], bool]:
         return {"text": m.text}, bool(m.text)

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 from e2e_support import RunningCluster, cluster_up, make_topology
+from ports import free_port
 
 from router.api import pdserve_pb2 as pb
 from router.client import Completion, PdserveClient
@@ -27,7 +28,10 @@ SYSTEM = "You are a coding agent. Use the tools to inspect the repository before
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningCluster]:
     topology = make_topology(
-        tmp_path_factory.mktemp("kv"), pools__decode__replicas=2, router__kv_readback_ttl_s=480
+        tmp_path_factory.mktemp("kv"),
+        pools__decode__replicas=2,
+        router__kv_readback_ttl_s=480,
+        server__http_port=free_port(),
     )
     with cluster_up(topology) as running:
         yield running
@@ -271,3 +275,38 @@ def test_an_agent_loop_of_tool_calls_stays_where_its_cache_is(client: PdserveCli
     )
     assert second.served_by.decode_replica == first.served_by.decode_replica
     assert second.usage.cached_tokens >= (first.usage.prompt_tokens // BLOCK - 1) * BLOCK
+
+
+def test_an_http_session_stays_where_its_cache_is(cluster: RunningCluster, client: PdserveClient) -> None:
+    """The OpenAI door's session id (the X-Session-Id header) reaches the same router path as gRPC's."""
+    import openai
+
+    http = openai.OpenAI(
+        base_url=f"{cluster.http_url}/v1",
+        api_key="unused",
+        max_retries=0,
+        default_headers={"X-Session-Id": "web-1"},
+    )
+    messages: list[dict[str, object]] = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Which file routes requests?"},
+    ]
+    first = http.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=8, temperature=0.0)  # type: ignore[arg-type]
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content or ""},
+        {"role": "user", "content": "And which one hashes blocks?"},
+    ]
+    time.sleep(1.0)
+    second = http.chat.completions.create(
+        model="tiny-llama", messages=messages, max_tokens=8, temperature=0.0
+    )  # type: ignore[arg-type]
+    served = [(r.model_extra or {})["pdserve"]["decode_replica"] for r in (first, second)]
+    assert served[0] and served[0] == served[1]
+    assert (
+        first.usage is not None
+        and second.usage is not None
+        and second.usage.prompt_tokens_details is not None
+    )
+    assert (
+        second.usage.prompt_tokens_details.cached_tokens >= (first.usage.prompt_tokens // BLOCK - 1) * BLOCK
+    )

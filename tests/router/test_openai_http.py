@@ -58,6 +58,8 @@ def test_chat_with_tools_returns_the_parsed_call(door: Door) -> None:
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}  # type: ignore[union-attr]
     assert r.usage is not None and r.usage.completion_tokens > 0 and r.usage.prompt_tokens > 0
     assert door.seen[0].sampling.max_tokens == 64
+    # pdserve's extension field says how the request was served (clients ignore fields they do not know).
+    assert (r.model_extra or {})["pdserve"]["decode_replica"] == "D1"
 
 
 @pytest.mark.parametrize("door", [["Let me look. ", CALL[:30], CALL[30:]]], indirect=True)
