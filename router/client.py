@@ -103,24 +103,15 @@ class Completion:
     timings: pb.Timings
 
 
+# GenerateFields that are pdserve.v1.SamplingParams fields, by the same names.
+_SAMPLING_FIELDS = tuple(f.name for f in pb.SamplingParams.DESCRIPTOR.fields)
+
+
 def generate_request(**fields: Unpack[GenerateFields]) -> pb.GenerateRequest:
     """The GenerateRequest for these arguments (unset sampling fields stay unset: the server's defaults)."""
     # None leaves a field unset.
-    sampling = pb.SamplingParams(
-        max_tokens=fields.get("max_tokens"),
-        temperature=fields.get("temperature"),
-        top_p=fields.get("top_p"),
-        top_k=fields.get("top_k"),
-        seed=fields.get("seed"),
-        stop=fields.get("stop"),
-        ignore_eos=fields.get("ignore_eos"),
-        stop_token_ids=fields.get("stop_token_ids"),
-        frequency_penalty=fields.get("frequency_penalty"),
-        presence_penalty=fields.get("presence_penalty"),
-        repetition_penalty=fields.get("repetition_penalty"),
-        min_p=fields.get("min_p"),
-        logprobs=fields.get("logprobs"),
-    )
+    given: dict[str, Any] = dict(fields)
+    sampling = pb.SamplingParams(**{name: given.get(name) for name in _SAMPLING_FIELDS})
     choice = fields.get("tool_choice")
     template_kwargs = fields.get("chat_template_kwargs")
     fmt = fields.get("response_format")

@@ -321,6 +321,7 @@ class _Output:
     """Gathers a Generate stream for one OpenAI response, or turns each message into chunks."""
 
     prefix = ""
+    object_whole = ""
     object_chunk = ""
 
     def __init__(self, *, model_name: str, include_usage: bool) -> None:
@@ -404,6 +405,24 @@ class _Output:
             out.append({**self.envelope(self.object_chunk, []), "usage": self.usage()})
         return out
 
+    def whole(self) -> dict[str, Any]:
+        """The non-streaming response, once every message was added."""
+        choice = {
+            "index": 0,
+            **self.whole_fields(),
+            "logprobs": self.logprobs_json(self.logprobs) if self.logprobs else None,
+            "finish_reason": self.finish_reason(),
+        }
+        return {
+            **self.envelope(self.object_whole, [choice]),
+            "usage": self.usage(),
+            "pdserve": self.served_by(),
+        }
+
+    def whole_fields(self) -> dict[str, Any]:
+        """The whole output's part of the response's choice."""
+        raise NotImplementedError
+
     def piece(self, m: pb.GenerateResponse) -> tuple[dict[str, Any], bool]:
         """This message's part of a chunk's choice, and whether it carries anything."""
         raise NotImplementedError
@@ -414,25 +433,16 @@ class _Output:
 
 class _ChatOutput(_Output):
     prefix = "chatcmpl"
+    object_whole = "chat.completion"
     object_chunk = "chat.completion.chunk"
 
-    def whole(self) -> dict[str, Any]:
+    def whole_fields(self) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": "".join(self.text) or None}
         if any(self.reasoning):
             message["reasoning"] = "".join(self.reasoning)
         if self.calls:
             message["tool_calls"] = [self.calls[i] for i in sorted(self.calls)]
-        choice = {
-            "index": 0,
-            "message": message,
-            "logprobs": _chat_logprobs(self.logprobs) if self.logprobs else None,
-            "finish_reason": self.finish_reason(),
-        }
-        return {
-            **self.envelope("chat.completion", [choice]),
-            "usage": self.usage(),
-            "pdserve": self.served_by(),
-        }
+        return {"message": message}
 
     def piece(self, m: pb.GenerateResponse) -> tuple[dict[str, Any], bool]:
         delta: dict[str, Any] = {}
@@ -453,20 +463,11 @@ class _ChatOutput(_Output):
 
 class _CompletionOutput(_Output):
     prefix = "cmpl"
+    object_whole = "text_completion"
     object_chunk = "text_completion"
 
-    def whole(self) -> dict[str, Any]:
-        choice = {
-            "index": 0,
-            "text": "".join(self.text),
-            "logprobs": _completion_logprobs(self.logprobs) if self.logprobs else None,
-            "finish_reason": self.finish_reason(),
-        }
-        return {
-            **self.envelope("text_completion", [choice]),
-            "usage": self.usage(),
-            "pdserve": self.served_by(),
-        }
+    def whole_fields(self) -> dict[str, Any]:
+        return {"text": "".join(self.text)}
 
     def piece(self, m: pb.GenerateResponse) -> tuple[dict[str, Any], bool]:
         return {"text": m.text}, bool(m.text)

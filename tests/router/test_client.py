@@ -229,3 +229,16 @@ async def test_async_client_same_conversion_metadata_and_errors(server: tuple[st
         assert [m.block_size for m in await client.list_models()] == [32]
         assert len(await client.cluster_status()) == 1
         assert await client.health() == "SERVING"
+
+
+def test_every_sampling_field_of_the_proto_is_a_keyword_of_generate() -> None:
+    from router.client import _SAMPLING_FIELDS, GenerateFields, generate_request
+
+    assert set(_SAMPLING_FIELDS) <= set(GenerateFields.__annotations__)
+    request = generate_request(prompt="x", min_p=0.5, stop_token_ids=[3], logprobs=2)
+    assert (request.sampling.min_p, list(request.sampling.stop_token_ids), request.sampling.logprobs) == (
+        0.5,
+        [3],
+        2,
+    )
+    assert not request.sampling.HasField("temperature")  # unset stays unset: the server's default
