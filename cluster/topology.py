@@ -11,12 +11,14 @@ replica fits the inventory must use exactly the shapes that the Serve config lat
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import logging
 import re
 import sys
 import types
 import typing
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
@@ -500,17 +502,24 @@ def _check_parsers(model: Model) -> None:
     ):
         if name is None:
             continue
-        vllm_log = logging.getLogger("vllm")
-        level = vllm_log.level
-        vllm_log.setLevel(
-            logging.ERROR
-        )  # its import-time notes (e.g. about Triton) are not the user's concern
-        try:
+        with _quiet_vllm():
             names = known()
-        finally:
-            vllm_log.setLevel(level)
         if name not in names:
-            raise TopologyError(f"model.{field}", f"unknown parser {name!r}; vLLM has: {', '.join(names)}")
+            close = difflib.get_close_matches(name, names, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"vLLM has: {', '.join(names)}"
+            raise TopologyError(f"model.{field}", f"unknown parser {name!r}; {hint}")
+
+
+@contextlib.contextmanager
+def _quiet_vllm() -> Iterator[None]:
+    """Import vLLM without its import-time notes (e.g. on Triton): they are not for the user."""
+    vllm_log = logging.getLogger("vllm")
+    level = vllm_log.level
+    vllm_log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        vllm_log.setLevel(level)
 
 
 def tool_call_parser(model: Model) -> str | None:
@@ -617,7 +626,8 @@ def _check_batch_limits(at: str, engine: EngineArgs, max_model_len: int) -> None
     """vLLM's own scheduler checks of the batch limits (imports vLLM: only when both limits are set)."""
     if engine.max_num_seqs is None or engine.max_num_batched_tokens is None:
         return
-    from vllm.config import SchedulerConfig
+    with _quiet_vllm():
+        from vllm.config import SchedulerConfig
 
     try:
         SchedulerConfig(

@@ -252,6 +252,9 @@ def test_an_unknown_parser_is_refused_with_vllms_names(field: str) -> None:
         parse_topology(f"model: {{{field}: no_such_parser}}")
     assert info.value.path == f"model.{field}"
     assert "unknown parser 'no_such_parser'" in info.value.reason and "kimi_k2" in info.value.reason
+    with pytest.raises(TopologyError) as info:
+        parse_topology("model: {tool_call_parser: hermez}")
+    assert info.value.reason == "unknown parser 'hermez'; did you mean 'hermes'?"
 
 
 def test_the_built_in_model_parses_hermes_tool_calls_and_others_what_the_topology_says() -> None:
