@@ -97,26 +97,26 @@ class OutputParsers:
         if tools is not None and tools.choice == "auto" and self._tool_cls is None:
             raise ParserNameError("tools need model.tool_call_parser set in the topology")
         reasoning = self._reasoning_cls(self._tokenizer) if self._reasoning_cls else None
-        tool_parser = None
-        if tools is not None and tools.choice == "auto":
-            tool_parser = self._tool_cls(self._tokenizer, _vllm_request(tools).tools)
-        return OutputParser(tools, tool_parser, reasoning)
+        auto = tools is not None and tools.choice == "auto"
+        # vLLM's parsers read the request: built once (a pydantic model), only when a parser needs it.
+        request: Any = _vllm_request(tools) if auto or reasoning is not None else None
+        tool_parser = self._tool_cls(self._tokenizer, request.tools) if auto else None
+        return OutputParser(tools, tool_parser, reasoning, request)
 
 
 class OutputParser:
     """One request's output, parsed batch by batch (stateful: vLLM's parsers diff against what was sent).
     `tool_parser`: vLLM's, for tool choice auto; `reasoning`: vLLM's reasoning parser, if the model has
-    one."""
+    one; `request`: vLLM's request object they read (None when neither is set)."""
 
-    def __init__(self, tool_use: ToolUse | None, tool_parser: Any, reasoning: Any) -> None:
+    def __init__(self, tool_use: ToolUse | None, tool_parser: Any, reasoning: Any, request: Any) -> None:
         self._tool_use = tool_use
         self._reasoning = reasoning
         self._reasoning_done = False
         self._reasoning_sent = ""
-        self._reasoning_request = _vllm_request(tool_use) if reasoning is not None else None
         self._json_calls = tool_use is not None and tool_use.choice in ("required", "function")
         self._tools = tool_parser
-        self._request = _vllm_request(tool_use) if tool_parser is not None else None
+        self._request = request
         self._text = ""  # all text so far
         self._ids: list[int] = []
         self._content = ""  # text past the reasoning (what the tool parser sees)
@@ -130,7 +130,7 @@ class OutputParser:
         if self._reasoning is not None and not self._reasoning_done:
             # Whole-text parsing, diffed against what was sent: vLLM's streaming reasoning parsers expect one
             # token per delta, and a batch holds several (the engine keeps the markers in the text for this).
-            reasoning, content = self._reasoning.extract_reasoning(self._text + text, self._reasoning_request)
+            reasoning, content = self._reasoning.extract_reasoning(self._text + text, self._request)
             out.reasoning = (reasoning or "")[len(self._reasoning_sent) :]
             self._reasoning_sent = reasoning or ""
             content_text = content or ""
