@@ -12,7 +12,7 @@ turn's ids and say so, `PromptReuse`), and the index has learned where the first
 per case, wall clock and this thread's CPU time (on a shared machine the wall-clock tail is dominated by the
 OS preempting the process; CPU time is the decision's own cost), the index's memory per block, and the CPU of
 `SessionHasher.seal`, which the live router runs when a turn finishes (off the decision's path) so that the
-next turn's prefix check is one tuple hash. `--readback`: KV readback on (`router.kv_readback_ttl_s`): the
+next turn's prefix check is one tuple hash. `--readback`: KV readback on (`pools.kv_readback_ttl_s`): the
 first turn's decode replica pins its KV, and the next turn's decision includes finding what of its prompt the
 pin holds (`router.readback.ReadbackTable.offer`), and with exports (on with readback) every decode replica's
 cached prefix is a source a prefill replica could pull.

@@ -4,8 +4,9 @@
    `user_config`, see cluster/serve_config.py) through the dashboard's Serve REST API.
 2. Show the difference by field path (`pools.decode.replicas: 1 -> 3`) and what Serve will do with each
    deployment (scale, roll one replica at a time, update in place).
-3. Refuse changes only a restart of pdserve can make (the router process reads them once: model, server,
-   Ray, router admission settings, a prefill pool appearing or disappearing).
+3. Refuse changes only a restart of pdserve can make: the fields the topology marks `RESTART` (the model,
+   the endpoint, Ray), and a prefill pool appearing or disappearing. The router follows its `router`
+   section in place (router/app.py), Serve reconciles the pools.
 4. Deploy the compiled Serve config (the same path as `pdserve up`) and wait, within
    `ray.placement_timeout_s`, until the application runs the new config; then until replicas being removed
    have drained. Placement problems are reported with cluster/placement.py's reasons; nothing hangs.
@@ -28,24 +29,6 @@ from cluster.placement import placement_specs, wait_for_placement
 from cluster.serve_config import REGISTRY, compile_serve_config, running_topology
 from cluster.topology import Topology
 
-# Fields the router process reads once at start (or that rebuild the whole Serve application).
-_RESTART_PREFIXES = ("model.", "server.", "ray.")
-_RESTART_FIELDS = {
-    "router.local_prefill_max_tokens",
-    "router.session_affinity",
-    "router.overload_queue_tokens",
-    "router.balance_weight",
-    "router.churn_weight",
-    "router.prefill_weight",
-    "router.long_stall_weight",
-    "router.long_local_prefill",
-    "router.prefill_overflow_queue_s",
-    "router.kv_readback_ttl_s",
-    "router.kv_readback_exports",
-    "router.failover_attempts",
-}
-# Read by `pdserve apply` itself, from the new file: changing them needs no restart.
-_APPLY_ONLY_FIELDS = {"ray.placement_timeout_s"}
 _ROLLOUT_KEYS = {"max_surge_percent", "rolling_update_percentage"}
 UNSET = "<unset>"  # a key present on one side of a diff only (e.g. a node label added)
 _ACTIVE_STATES = ("STARTING", "PENDING_MIGRATION", "UPDATING", "RECOVERING", "RUNNING")
@@ -97,16 +80,48 @@ def restart_reasons(old: Topology, changes: list[FieldChange]) -> list[str]:
     """The changes `apply` refuses, each with why (empty: everything can be applied live)."""
     reasons = []
     for change in changes:
-        if change.path in _APPLY_ONLY_FIELDS:
-            continue
-        if change.path.startswith(_RESTART_PREFIXES) or change.path in _RESTART_FIELDS:
-            reasons.append(f"{change}: read once by the running pdserve (router, endpoint, engines' model)")
+        how = apply_mode(change.path)
+        if how == "restart":
+            reasons.append(f"{change}: read once by the running pdserve (model, endpoint, Ray)")
         elif change.path == "pools.prefill.replicas" and (change.old == 0) != (change.new == 0):
             reasons.append(
                 f"{change}: turning disaggregation on or off changes the application's deployments and the "
                 "router's request path"
             )
     return reasons
+
+
+def apply_mode(path: str) -> str:
+    """How a change of the field at `path` is applied: "restart", "apply-only" or "live", from the marks the
+    topology's types carry (cluster.topology.RESTART / APPLY_ONLY)."""
+    mode = "live"
+    info: Any = msgspec.inspect.type_info(Topology)
+    for name in path.split("."):
+        fields = getattr(_unwrap_struct(info), "fields", None)
+        field = next((f for f in fields or () if f.encode_name == name), None)
+        if field is None:
+            break  # a mapping's key (labels, engine.extra): its field's mark holds
+        info = field.type
+        mode = (info.extra or {}).get("apply", mode) if isinstance(info, msgspec.inspect.Metadata) else mode
+    return mode
+
+
+def _unwrap_struct(info: Any) -> Any:
+    """The struct type inside Metadata / Optional wrappers (None when there is none)."""
+    while True:
+        if isinstance(info, msgspec.inspect.Metadata):
+            info = info.type
+        elif isinstance(info, msgspec.inspect.UnionType):
+            info = next(
+                (
+                    t
+                    for t in info.types
+                    if isinstance(t, msgspec.inspect.StructType | msgspec.inspect.Metadata)
+                ),
+                None,
+            )
+        else:
+            return info if isinstance(info, msgspec.inspect.StructType) else None
 
 
 def plan_actions(old: Topology, new: Topology) -> list[DeploymentAction]:

@@ -18,12 +18,15 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 
 from cluster.ray_auth import use_loopback_ray, use_ray_token_auth
-from cluster.topology import Topology
+from cluster.topology import Topology, served_model
+
+if TYPE_CHECKING:
+    from router.app import RouterProcess
 
 APP_NAME = "pdserve"
 
@@ -154,6 +157,21 @@ def remove_leaked_shm(since: float, shm_dir: Path = Path("/dev/shm")) -> list[st
     for path in candidates.values():
         path.unlink(missing_ok=True)
     return sorted(candidates)
+
+
+def router_process(topo: Topology, model_dir: Path, app_name: str) -> RouterProcess:
+    """The router of a deployed application (its Serve handles exist once the application runs)."""
+    from router.app import RouterProcess  # loads the tokenizer stack: only in the process that routes
+
+    return RouterProcess(
+        served_model(topo.model),
+        topo.router,
+        topo.server,
+        model_dir=model_dir,
+        app_name=app_name,
+        has_prefill=topo.pools.prefill.replicas > 0,
+        kv_readback_ttl_s=topo.pools.kv_readback_ttl_s,
+    )
 
 
 def deploy(serve_config: dict[str, Any], dashboard_url: str) -> None:

@@ -21,6 +21,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +30,8 @@ if TYPE_CHECKING:
 
 # `pdserve up` prints a line starting with this once its gRPC endpoint accepts calls; scripts wait for it.
 READY_LINE = "pdserve is up"
+# Commands other installed packages add (e.g. `replay`, from bench/): each a `main(argv) -> exit code`.
+PLUGIN_GROUP = "pdserve.commands"
 DEFAULT_TOPOLOGY = Path(__file__).resolve().parents[1] / "deploy" / "local.yaml"
 
 log = logging.getLogger("pdserve")
@@ -72,14 +75,15 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("-f", "--file", type=Path, default=DEFAULT_TOPOLOGY, help=topology_help)
     exp.add_argument("--format", choices=["serve", "rayservice"], default="serve")
 
-    sub.add_parser("replay", help="replay real traces through the routing policies", add_help=False)
+    plugins = {ep.name: ep for ep in entry_points(group=PLUGIN_GROUP)}
+    for name, ep in plugins.items():
+        sub.add_parser(name, help=f"{ep.value.split(':')[0]} (installed with pdserve)", add_help=False)
 
     args, rest = parser.parse_known_args(argv)
     try:
-        if args.command == "replay":
-            from bench.replay.cli import main as replay_main
-
-            return replay_main(rest)
+        if args.command in plugins:
+            command: Callable[[list[str]], int] = plugins[args.command].load()
+            return command(rest)
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
         return _run(args)
@@ -169,6 +173,7 @@ def _up(args: argparse.Namespace) -> int:
         RunState,
         deploy,
         process_alive,
+        router_process,
         start_local_head,
         wait_until_running,
     )
@@ -223,9 +228,7 @@ def _up(args: argparse.Namespace) -> int:
         log.info("Ray at %s, dashboard %s; deploying application %s", address, dashboard, APP_NAME)
         deploy(compile_serve_config(topo, app_name=APP_NAME), dashboard)
         wait_until_running(APP_NAME, topo.ray.placement_timeout_s, dashboard_url=dashboard, progress=log.info)
-        from router.app import RouterProcess
-
-        router = RouterProcess(topo, model_dir, APP_NAME)
+        router = router_process(topo, model_dir, APP_NAME)
         grpc_address = f"{topo.server.grpc_host}:{topo.server.grpc_port}"
         metrics_url = f"http://{topo.server.metrics_host}:{topo.server.metrics_port}/metrics"
 

@@ -16,8 +16,7 @@ from ray.serve.handle import DeploymentHandle
 
 from engine.messages import ReplicaInfo
 
-HEARTBEAT_S = 2.0
-EXPIRY_S = 10.0
+EXPIRY_S = 10.0  # 5 missed heartbeats (engine.replica.HEARTBEAT_S)
 # A slot claimed by a replica that never published (it died while its engine started) is free after this.
 CLAIM_TTL_S = 900.0
 
@@ -31,11 +30,16 @@ class Registry:
         self._reported: dict[str, str] = {}
         # Per-replica slots (e.g. a CPU engine's cores): replica id -> (role, slot, when claimed).
         self._slots: dict[str, tuple[str, int, float]] = {}
+        self._router_config: dict[str, Any] | None = None
 
     def reconfigure(self, config: dict[str, Any]) -> None:
-        """Serve calls this with the deployment's user_config: the deployed topology. The registry only
-        carries it, so that Serve's deployed config holds it for `pdserve apply` to read back
-        (cluster/serve_config.py); a deployment with a user_config must have this method."""
+        """Serve calls this with the deployment's user_config: the deployed topology
+        (cluster/serve_config.py), which `pdserve apply` reads back. Routers follow its `router` section."""
+        self._router_config = (config.get("topology") or {}).get("router")
+
+    def router_config(self) -> dict[str, Any] | None:
+        """The deployed topology's `router` section (plain data; the router validates it)."""
+        return self._router_config
 
     def publish(self, info: ReplicaInfo) -> None:
         self._entries[info.replica_id] = (info, time.monotonic())

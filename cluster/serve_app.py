@@ -58,13 +58,11 @@ def engine_spec(topo: Topology, role: str) -> EngineSpec:
         engine_args=args,
         kv_transfer=topo.pools.prefill.replicas > 0,
         kv_load_failure_policy=engine.kv_load_failure_policy,
-        kv_readback_ttl_s=topo.router.kv_readback_ttl_s if topo.pools.prefill.replicas > 0 else 0,
+        kv_readback_ttl_s=topo.pools.kv_readback_ttl_s if topo.pools.prefill.replicas > 0 else 0,
         device="cuda" if gpu else "cpu",
         cpu_threads_bind=_threads_binds(pool.cpu_engine.threads_bind) if not gpu else ["auto"],
         cpu_kv_cache_gib=pool.cpu_engine.kv_cache_gib if not gpu else 1,
         bind_host="127.0.0.1" if topo.ray.address is None else None,
-        stream_batch_tokens=topo.router.stream_batch_tokens,
-        stream_batch_ms=topo.router.stream_batch_ms,
         hang_timeout_s=pool.hang_timeout_s,
     )
 

@@ -30,6 +30,8 @@ from ray._private.label_utils import (
     validate_label_value,
 )
 
+from router.config import RouterConfig, ServedModel, ServerConfig
+
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
 PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
@@ -214,60 +216,13 @@ def _local_pools() -> Pools:
 class Pools(_Config, frozen=True, kw_only=True):
     prefill: Pool = msgspec.field(default_factory=Pool)  # replicas: 0 = no disaggregation
     decode: Pool = msgspec.field(default_factory=Pool)
+    # KV readback (router/readback.py): decode engines keep each finished turn's KV pinned this long so the
+    # session's next prefill pulls it instead of computing it; 0 = off. An engine setting (vLLM's KV
+    # transfer config): changing it rolls both pools.
+    kv_readback_ttl_s: NonNegativeInt = 0
 
     def items(self) -> list[tuple[str, Pool]]:
         return [("prefill", self.prefill), ("decode", self.decode)]
-
-
-class Router(_Config, frozen=True, kw_only=True):
-    local_prefill_max_tokens: NonNegativeInt = 256  # uncached suffix at most this long: decode prefills it
-    session_affinity: bool = True
-    overload_queue_tokens: PositiveInt = 65536  # queued prompt tokens beyond which requests are refused
-    stream_batch_tokens: PositiveInt = 16  # tokens per streamed message ...
-    stream_batch_ms: PositiveFloat = 20.0  # ... or this long, whichever comes first
-    # Prefill balance (router/policy/selector.py): charges for recent compute seconds and for recent tokens
-    # computed (cache churn) above the pool's mean. PdservePolicyConfig's defaults (a test keeps them equal).
-    balance_weight: NonNegativeFloat = 0.2
-    churn_weight: NonNegativeFloat = 0.5
-    # Cost weights (router/policy/cost.py): a cache miss is charged prefill_weight x its own prefill seconds
-    # (higher: more hits, less balance), a long local prefill long_stall_weight x its batch's wait (lower:
-    # more hits and lower TTFT, higher decode TPOT). Replay your traffic to choose them (`pdserve replay
-    # --prefill-weight/--long-stall-weight`). CostWeights' defaults (a test keeps them equal).
-    prefill_weight: NonNegativeFloat = 5.0
-    long_stall_weight: NonNegativeFloat = 20.0
-    # Long local prefill: a decode replica holding most of a prompt's context may prefill a suffix longer than
-    # local_prefill_max_tokens itself when that costs less than the prefill hop, charged heavily for stalling
-    # its batch (router/policy/selector.py). Prefill overflow: when every prefill replica has at least this
-    # many estimated seconds of prompts queued, that stall is charged like a short local prefill's; null:
-    # never. PdservePolicyConfig's defaults (a test keeps them equal).
-    long_local_prefill: bool = True
-    prefill_overflow_queue_s: NonNegativeFloat | None = 10.0
-    # KV readback (router/readback.py): decode engines keep each finished turn's KV pinned this long so the
-    # session's next prefill pulls it instead of computing it; 0 = off.
-    kv_readback_ttl_s: NonNegativeInt = 0
-    # With readback on: a prefill may also pull a prefix that any decode replica holds in its prefix cache
-    # (the router has that replica pin it first), not only a session's pinned turn.
-    kv_readback_exports: bool = True
-    # A request whose replica fails continues on another (the tokens streamed so far appended to its
-    # prompt); after this many such moves the client gets UNAVAILABLE.
-    failover_attempts: NonNegativeInt = 3
-
-
-class Tls(_Config, frozen=True, kw_only=True):
-    cert_file: str
-    key_file: str
-
-
-class Server(_Config, frozen=True, kw_only=True):
-    grpc_host: str = "127.0.0.1"
-    grpc_port: Port = 50051
-    # The OpenAI-compatible HTTP door (router/openai_http.py): off unless a port is set. Same TLS and token.
-    http_host: str = "127.0.0.1"
-    http_port: Port | None = None
-    metrics_host: str = "127.0.0.1"
-    metrics_port: Port = 9400
-    tls: Tls | None = None
-    auth_token_env: str | None = None  # the NAME of an env var holding the token, never the token itself
 
 
 class RayCluster(_Config, frozen=True, kw_only=True):
@@ -275,7 +230,8 @@ class RayCluster(_Config, frozen=True, kw_only=True):
     address: str | None = None
     dashboard_host: str = "127.0.0.1"
     dashboard_port: Port = 8265
-    placement_timeout_s: PositiveFloat = 180.0  # report unplaceable pools after this long
+    # Report unplaceable pools after this long.
+    placement_timeout_s: Annotated[PositiveFloat, APPLY_ONLY] = 180.0
     num_cpus: PositiveInt | None = None  # CPUs of the local head (None: Ray detects them)
 
     @property
@@ -293,12 +249,19 @@ class NodeGroup(_Config, frozen=True, kw_only=True):
     count: PositiveInt = 1
 
 
+# How `pdserve apply` changes a field of a running cluster (msgspec metadata; cluster/apply.py reads it, the
+# deepest mark on a field's path wins). Unmarked: the router follows it in place (router.*) or Serve
+# reconciles the deployments (pools.*).
+RESTART = msgspec.Meta(extra={"apply": "restart"})  # read once by the pdserve process: down, then up
+APPLY_ONLY = msgspec.Meta(extra={"apply": "apply-only"})  # read by `pdserve apply` itself, from the new file
+
+
 class Topology(_Config, frozen=True, kw_only=True):
-    model: Model = msgspec.field(default_factory=Model)
+    model: Annotated[Model, RESTART] = msgspec.field(default_factory=Model)
     pools: Pools = msgspec.field(default_factory=_local_pools)
-    router: Router = msgspec.field(default_factory=Router)
-    server: Server = msgspec.field(default_factory=Server)
-    ray: RayCluster = msgspec.field(default_factory=RayCluster)
+    router: RouterConfig = msgspec.field(default_factory=RouterConfig)
+    server: Annotated[ServerConfig, RESTART] = msgspec.field(default_factory=ServerConfig)
+    ray: Annotated[RayCluster, RESTART] = msgspec.field(default_factory=RayCluster)
     nodes: list[NodeGroup] | None = None  # the cluster's node groups; enables the fit checks
 
     def validate(self) -> None:
@@ -529,6 +492,18 @@ def tool_call_parser(model: Model) -> str | None:
     return model.tool_call_parser
 
 
+def served_model(model: Model) -> ServedModel:
+    """What the router needs of the model."""
+    return ServedModel(
+        name=model.name,
+        block_size=model.block_size,
+        max_model_len=model.max_model_len,
+        trust_remote_code=model.trust_remote_code,
+        tool_call_parser=tool_call_parser(model),
+        reasoning_parser=model.reasoning_parser,
+    )
+
+
 def _check_pool(role: str, pool: Pool) -> None:
     at = f"pools.{role}"
     if role == "decode" and pool.replicas < 1:
@@ -668,7 +643,7 @@ def _check_pools_together(pools: Pools) -> None:
         )
 
 
-def _check_server_and_ray(server: Server, ray: RayCluster) -> None:
+def _check_server_and_ray(server: ServerConfig, ray: RayCluster) -> None:
     ports: dict[int, str] = {}
     for path, port in (
         ("server.grpc_port", server.grpc_port),

@@ -163,7 +163,7 @@ class DoubleEngineHost:
     async def generate(self, req: EngineRequest) -> AsyncIterator[TokenBatch]:
         """Stream tokens in batches as EngineHost does: the first at once, then by count or time."""
         prompt = req.prompt_token_ids
-        max_batch, max_wait = self.spec.stream_batch_tokens, self.spec.stream_batch_ms / 1e3
+        max_batch, max_wait = (1, 0.0) if req.stream is None else (req.stream.tokens, req.stream.ms / 1e3)
         async with self._running(req.request_id, len(prompt)):
             if req.kv_transfer_params:
                 self._external += len(prompt)

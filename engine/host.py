@@ -237,8 +237,7 @@ class EngineHost:
             log.warning("%s: its prefill KV was released; computing the prompt locally", req.request_id)
             kv = None
         params = self._sampling_params(req.sampling, kv)
-        max_batch = self.spec.stream_batch_tokens
-        max_wait = self.spec.stream_batch_ms / 1e3
+        max_batch, max_wait = (1, 0.0) if req.stream is None else (req.stream.tokens, req.stream.ms / 1e3)
         ids: list[int] = []
         text: list[str] = []
         first_sent = False

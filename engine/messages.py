@@ -53,6 +53,14 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True):
 PIN_ONLY_KV_PARAMS: dict[str, Any] = {"do_remote_prefill": False, "do_remote_decode": False}
 
 
+class StreamBatch(msgspec.Struct, frozen=True, array_like=True):
+    """How a decode engine batches a streamed reply: the first token at once, then `tokens` tokens or `ms`
+    milliseconds, whichever comes first (the router's `stream_batch_tokens` / `stream_batch_ms`)."""
+
+    tokens: int
+    ms: float
+
+
 class EngineRequest(msgspec.Struct, frozen=True, kw_only=True):
     """One leg of a request as an engine replica receives it: token ids only (the router tokenized)."""
 
@@ -63,6 +71,8 @@ class EngineRequest(msgspec.Struct, frozen=True, kw_only=True):
     # request, the prefill leg's returned params (remote engine, block ids, host, port, ...); on a prefill
     # leg, a decode engine's pinned blocks to pull the prompt's prefix from (KV readback).
     kv_transfer_params: dict[str, Any] | None = None
+    # None: every engine output is sent as it comes.
+    stream: StreamBatch | None = None
 
 
 class PrefillResult(msgspec.Struct, frozen=True, kw_only=True):

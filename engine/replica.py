@@ -10,12 +10,13 @@ import msgspec
 import ray
 from ray import serve
 
-from cluster.registry import HEARTBEAT_S
 from engine.double import DoubleEngineHost
 from engine.host import EngineHost
 from engine.messages import EngineStats, ReplicaInfo
 from engine.spec import spec_from_env
 
+# How often a replica refreshes its registry entry (cluster/registry.py expires it after EXPIRY_S).
+HEARTBEAT_S = 2.0
 log = logging.getLogger(__name__)
 
 # How often a replica looks at its engine's health between heartbeats.

@@ -47,8 +47,6 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     # Publish KV events over ZMQ for the router's KV index.
     kv_events: bool = True
     # Token streaming from decode: flush a batch at this many tokens or after this long.
-    stream_batch_tokens: int = 16
-    stream_batch_ms: float = 20.0
     # An engine with requests in flight that produces no output for this long is hung: the replica reports
     # itself failed (routers stop using it, Serve's health check replaces it).
     hang_timeout_s: float = 30.0

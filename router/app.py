@@ -2,7 +2,8 @@
 
 It runs outside Serve's replicas (in the `pdserve up` process, or its own process pointed at a cluster)
 because a gRPC server on a fixed port inside a replica would be invisible to Serve's health checks and
-drain. It owns no KV bytes: only handles, tokens and text.
+drain. It owns no KV bytes: only handles, tokens and text. It follows the deployed topology's `router`
+section (the registry carries it): `pdserve apply` of a routing setting reconfigures it in place.
 """
 
 from __future__ import annotations
@@ -14,20 +15,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from grpc_health.v1.health_pb2 import HealthCheckResponse
 from ray import serve
 
-from cluster.topology import Router, Topology, tool_call_parser
-from engine.messages import ReplicaInfo
+from engine.messages import ReplicaInfo, StreamBatch
 from router.api import pdserve_pb2 as pb
 from router.chat_encoder import SessionChatEncoder
 from router.cluster_view import ClusterView
+from router.config import RouterConfig, ServedModel, ServerConfig
 from router.metrics import RouterMetrics
 from router.openai_http import HttpServer, build_app
 from router.orchestrator import Orchestrator
 from router.output_parser import OutputParsers
-from router.policy.cost import CostWeights
-from router.policy.selector import PdservePolicy, PdservePolicyConfig
+from router.policy.selector import PdservePolicy
 from router.readback import ReadbackTable
 from router.routing import RequestRouter
 from router.server import ListenError, PdserveService, start_grpc_server
@@ -37,72 +38,99 @@ from router.validation import ModelLimits
 log = logging.getLogger(__name__)
 
 
-def policy_config(router: Router) -> PdservePolicyConfig:
-    """The routing policy a topology's router section asks for."""
-    return PdservePolicyConfig(
-        local_prefill_max_tokens=router.local_prefill_max_tokens,
-        session_affinity=router.session_affinity,
-        balance_weight=router.balance_weight,
-        churn_weight=router.churn_weight,
-        weights=CostWeights(prefill=router.prefill_weight, long_stall=router.long_stall_weight),
-        long_local_prefill=router.long_local_prefill,
-        prefill_overflow_queue_s=router.prefill_overflow_queue_s,
-    )
-
-
 class RouterProcess:
-    def __init__(self, topo: Topology, model_dir: Path, app_name: str) -> None:
-        self.topo = topo
+    def __init__(
+        self,
+        model: ServedModel,
+        router: RouterConfig,
+        server: ServerConfig,
+        *,
+        model_dir: Path,
+        app_name: str,
+        has_prefill: bool,
+        kv_readback_ttl_s: int = 0,
+    ) -> None:
+        """`kv_readback_ttl_s`: how long decode engines keep a finished turn's KV pinned (0: no readback)."""
+        self.model = model
+        self.server = server
+        self.config = router
         self.app_name = app_name
         self.metrics = RouterMetrics()
         self._serving: bool | None = None  # what grpc.health.v1 says now (None: not yet set)
-        tokenizer = PromptTokenizer(model_dir, trust_remote_code=topo.model.trust_remote_code)
-        has_prefill = topo.pools.prefill.replicas > 0
+        tokenizer = PromptTokenizer(model_dir, trust_remote_code=model.trust_remote_code)
         prefill = serve.get_deployment_handle("prefill", app_name) if has_prefill else None
         decode = serve.get_deployment_handle("decode", app_name)
         self._registry = serve.get_deployment_handle("registry", app_name)
-        self.policy = PdservePolicy(policy_config(topo.router))
+        self.policy = PdservePolicy(router)
         self.view = ClusterView(
-            self._registry, block_size=topo.model.block_size, timing=self.policy.config.weights.timing
+            self._registry, block_size=model.block_size, timing=self.policy.weights.timing
         )
         # Read secrets and certificates now, not on the event loop; the token's value is never logged.
-        cfg = topo.server
         self._tls = None
-        if cfg.tls is not None:
-            self._tls = (Path(cfg.tls.key_file).read_bytes(), Path(cfg.tls.cert_file).read_bytes())
+        if server.tls is not None:
+            self._tls = (Path(server.tls.key_file).read_bytes(), Path(server.tls.cert_file).read_bytes())
         self._token = None
-        if cfg.auth_token_env:
-            self._token = os.environ.get(cfg.auth_token_env)
+        if server.auth_token_env:
+            self._token = os.environ.get(server.auth_token_env)
             if not self._token:
-                raise RuntimeError(f"server.auth_token_env names {cfg.auth_token_env}, which is not set")
+                raise RuntimeError(f"server.auth_token_env names {server.auth_token_env}, which is not set")
+        self.orchestrator = Orchestrator(prefill, decode, block_size=model.block_size, stream=_stream(router))
+        self.router = RequestRouter(
+            view=self.view,
+            policy=self.policy,
+            block_size=model.block_size,
+            has_prefill_pool=has_prefill,
+            overload_queue_tokens=router.overload_queue_tokens,
+            readback=ReadbackTable(block_size=model.block_size, ttl_s=kv_readback_ttl_s)
+            if has_prefill and kv_readback_ttl_s > 0
+            else None,
+            exports=router.kv_readback_exports,
+        )
         self.service = PdserveService(
             tokenizer=tokenizer,
             chat_encoder=SessionChatEncoder(tokenizer, on_encoded=self.metrics.on_chat_encoded),
-            parsers=OutputParsers(
-                tokenizer.hf_tokenizer, tool_call_parser(topo.model), topo.model.reasoning_parser
-            ),
+            parsers=OutputParsers(tokenizer.hf_tokenizer, model.tool_call_parser, model.reasoning_parser),
             limits=ModelLimits(
-                served_name=topo.model.name,
-                max_model_len=topo.model.max_model_len,
-                vocab_size=tokenizer.vocab_size,
+                served_name=model.name, max_model_len=model.max_model_len, vocab_size=tokenizer.vocab_size
             ),
-            block_size=topo.model.block_size,
-            orchestrator=Orchestrator(prefill, decode, block_size=topo.model.block_size),
-            router=RequestRouter(
-                view=self.view,
-                policy=self.policy,
-                block_size=topo.model.block_size,
-                has_prefill_pool=has_prefill,
-                overload_queue_tokens=topo.router.overload_queue_tokens,
-                readback=ReadbackTable(block_size=topo.model.block_size, ttl_s=topo.router.kv_readback_ttl_s)
-                if has_prefill and topo.router.kv_readback_ttl_s > 0
-                else None,
-                exports=topo.router.kv_readback_exports,
-            ),
+            block_size=model.block_size,
+            orchestrator=self.orchestrator,
+            router=self.router,
             metrics=self.metrics,
             cluster_status=self.cluster_status,
-            failover_attempts=topo.router.failover_attempts,
+            failover_attempts=router.failover_attempts,
         )
+
+    def reconfigure(self, router: RouterConfig) -> None:
+        """Apply a new `router` section to the running router: the next request sees it. Sessions, the KV
+        index and load accounting are kept."""
+        if router == self.config:
+            return
+        self.policy.reconfigure(router)
+        self.view.load.timing = self.policy.weights.timing
+        self.router.reconfigure(
+            overload_queue_tokens=router.overload_queue_tokens, exports=router.kv_readback_exports
+        )
+        self.orchestrator.stream = _stream(router)
+        self.service.failover_attempts = router.failover_attempts
+        log.info("router settings applied in place: %s", _changed(self.config, router))
+        self.config = router
+
+    async def _follow_config(self, every_s: float = 1.0) -> None:
+        """Poll the deployed `router` section (the registry holds the topology `pdserve apply` deployed)."""
+        while True:
+            await asyncio.sleep(every_s)
+            try:
+                raw = await self._registry.router_config.remote()
+            except Exception as exc:  # the registry restarting: keep the settings in use
+                log.warning("reading the deployed router settings failed (keeping the current ones): %s", exc)
+                continue
+            if raw is None:
+                continue
+            try:
+                self.reconfigure(msgspec.convert(raw, RouterConfig))
+            except msgspec.ValidationError as exc:  # validated by apply; only a hand-made deploy gets here
+                log.error("deployed router settings refused, keeping the current ones: %s", exc)
 
     async def _follow_health(self, health: Any, every_s: float = 0.25) -> None:
         while True:
@@ -128,9 +156,10 @@ class RouterProcess:
         return [_replica_status(i) for i in infos]
 
     async def serve_until(self, stop: asyncio.Event, on_ready: Callable[[], None] = lambda: None) -> None:
-        cfg = self.topo.server
+        cfg = self.server
         await self.view.refresh()
         view_task = asyncio.create_task(self.view.run(), name="cluster-view")
+        config_task = asyncio.create_task(self._follow_config(), name="router-config")
         try:
             self.metrics.serve(cfg.metrics_host, cfg.metrics_port)
         except OSError as exc:
@@ -155,14 +184,15 @@ class RouterProcess:
             # In-flight streams get a grace period to finish; new calls are refused meanwhile.
             await server.stop(grace=10.0)
             view_task.cancel()
+            config_task.cancel()
 
     async def _start_http(self) -> HttpServer:
-        cfg = self.topo.server
+        cfg = self.server
         assert cfg.http_port is not None
         app = build_app(
             self.service,
-            served_name=self.topo.model.name,
-            max_model_len=self.topo.model.max_model_len,
+            served_name=self.model.name,
+            max_model_len=self.model.max_model_len,
             serving=lambda: bool(self._serving),
             auth_token=self._token,
         )
@@ -173,6 +203,15 @@ class RouterProcess:
         await server.start()
         log.info("OpenAI HTTP endpoint on %s:%d", cfg.http_host, cfg.http_port)
         return server
+
+
+def _stream(router: RouterConfig) -> StreamBatch:
+    return StreamBatch(tokens=router.stream_batch_tokens, ms=router.stream_batch_ms)
+
+
+def _changed(old: RouterConfig, new: RouterConfig) -> str:
+    a, b = msgspec.to_builtins(old), msgspec.to_builtins(new)
+    return ", ".join(f"{k}: {a[k]} -> {b[k]}" for k in b if a.get(k) != b[k]) or "none"
 
 
 def _replica_status(info: ReplicaInfo) -> pb.Replica:

@@ -22,14 +22,11 @@ import asyncio
 import enum
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import msgspec
 import zmq
 import zmq.asyncio
-
-if TYPE_CHECKING:
-    from router.kv_index import KvIndex
 
 logger = logging.getLogger(__name__)
 
@@ -245,6 +242,14 @@ class SubscriberStats(msgspec.Struct, kw_only=True):
     unknown_events: int = 0
 
 
+class EventSink(Protocol):
+    """Where one engine's decoded events go (`router.kv_index.KvIndex`)."""
+
+    def apply(self, replica_id: str, event: KvEvent) -> None: ...
+
+    def clear_replica(self, replica_id: str) -> None: ...
+
+
 class KvEventSubscriber:
     """Subscribes to one engine's KV event publisher and applies its events to `index` under `replica_id`.
 
@@ -263,7 +268,7 @@ class KvEventSubscriber:
         replica_id: str,
         endpoint: str,
         replay_endpoint: str | None,
-        index: KvIndex,
+        index: EventSink,
         *,
         topic: str = "",
         replay_timeout_s: float = 2.0,

@@ -42,6 +42,7 @@ from engine.messages import (
     Role,
     Sampling,
     ServingPath,
+    StreamBatch,
     TokenBatch,
 )
 from router.leg_order import LegOrder, Ticket
@@ -127,9 +128,18 @@ class Completion(msgspec.Struct, kw_only=True):
 
 class Orchestrator:
     def __init__(
-        self, prefill: Any | None, decode: Any, *, block_size: int, export_timeout_s: float = 5.0
+        self,
+        prefill: Any | None,
+        decode: Any,
+        *,
+        block_size: int,
+        stream: StreamBatch | None = None,
+        export_timeout_s: float = 5.0,
     ) -> None:
-        """`prefill`/`decode`: Serve deployment handles (prefill None when the topology has no pool)."""
+        """`prefill`/`decode`: Serve deployment handles (prefill None when the topology has no pool).
+        `stream`: how decode legs batch their tokens (None: not at all; settable: the router's config applies
+        in place)."""
+        self.stream = stream
         self._prefill = prefill
         self._decode = decode
         self._block_size = block_size
@@ -245,6 +255,7 @@ class Orchestrator:
             prompt_token_ids=prompt_token_ids,
             sampling=sampling,
             kv_transfer_params=kv_params,
+            stream=self.stream,
         )
         completion_tokens = 0
         generated: list[int] = []

@@ -53,15 +53,20 @@ class RequestRouter:
         self._policy = policy
         self._block_size = block_size
         self._has_prefill = has_prefill_pool
-        self._limit = overload_queue_tokens
         self._hasher = SessionHasher(block_size)
         self._readback = readback
+        self._export_ttl_s: float | None = None
+        self.reconfigure(overload_queue_tokens=overload_queue_tokens, exports=exports)
+        self._admitted: dict[str, _Admitted] = {}
+        self._admitted_tokens = 0
+
+    def reconfigure(self, *, overload_queue_tokens: int, exports: bool) -> None:
+        self._limit = overload_queue_tokens
+        readback = self._readback
         # How long an exported prefix is counted on: the engines' TTL, less the margin the table keeps.
         self._export_ttl_s = (
             readback.ttl_s - readback.expiry_margin_s if readback is not None and exports else None
         )
-        self._admitted: dict[str, _Admitted] = {}
-        self._admitted_tokens = 0
 
     def route(
         self,

@@ -107,7 +107,7 @@ class PdserveService(pb_grpc.PdserveServicer):
         self._router = router
         self._metrics = metrics
         self._cluster_status = cluster_status
-        self._failover_attempts = failover_attempts
+        self.failover_attempts = failover_attempts  # settable: the router config applies in place
         self._token_sessions = SessionTokenIds()
 
     async def Generate(
@@ -205,7 +205,7 @@ class PdserveService(pb_grpc.PdserveServicer):
                 first_route,
                 reroute=reroute,
                 on_replica_failed=self._router.replica_failed,
-                attempts=self._failover_attempts,
+                attempts=self.failover_attempts,
                 on_prefill_done=lambda: self._router.prefill_done(request_id),
             )
             async for event in events:

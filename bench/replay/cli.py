@@ -4,7 +4,9 @@ Example (the issue's Claude Code setting):
     python -m bench.replay --trace claude-code --replicas 8 --cache-frac 0.02 --target-util 0.6 --json cc.json
 
 Cluster: `--replicas` prefill replicas (the pool whose caches and load the targets are about) and
-`--decode-replicas` decode replicas (default: as many), every replica one 8x H200 node (bench.replay.timing).
+`--decode-replicas` decode replicas (default: as many), every replica what the topology's
+`router.service_time` says (default: one 8x H200 node serving DeepSeek-V3). pdserve routes with the
+topology's `router` section (`--topology FILE`, the file `pdserve up` and `pdserve apply` take).
 Per-replica cache capacity, prefill and decode alike, is `--cache-frac` x the slice's unique blocks.
 """
 
@@ -19,10 +21,9 @@ import msgspec
 
 from bench.replay.bounds import belady_hit_ratio, pooled_lru_hit_ratio
 from bench.replay.metrics import PolicyResult, format_table
-from bench.replay.policies import describe_pdserve, pdserve_config, select
+from bench.replay.policies import describe_pdserve, select
 from bench.replay.runner import run_policy, set_load
 from bench.replay.sim import SimConfig
-from bench.replay.timing import DEFAULT_CALIBRATION, model_from_calibration
 from bench.replay.traces import (
     DEFAULT_TRACES_DIR,
     Trace,
@@ -30,6 +31,7 @@ from bench.replay.traces import (
     load_trace,
     trace_files,
 )
+from cluster.topology import Topology, TopologyError, load_topology
 
 
 class ReplayReport(msgspec.Struct, kw_only=True):
@@ -75,7 +77,6 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve replay", description=__doc__.split("\n\n")[0])
     p.add_argument("--trace", choices=["claude-code", "mooncake"], required=True)
     p.add_argument("--traces-dir", type=Path, default=DEFAULT_TRACES_DIR)
-    p.add_argument("--calibration", type=Path, default=DEFAULT_CALIBRATION)
     p.add_argument("--replicas", type=_COUNT0, default=8, help="prefill replicas (default 8)")
     p.add_argument(
         "--decode-replicas", type=_COUNT, default=None, help="decode replicas (default: --replicas)"
@@ -100,60 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-gap-s", type=_NON_NEGATIVE, default=300.0, help="caps every tool/think gap (s)")
     p.add_argument("--policies", default="all", help="'all' or comma-separated names")
     p.add_argument(
-        "--local-prefill-max-tokens",
-        type=_COUNT0,
+        "--topology",
+        type=Path,
         default=None,
-        help="pdserve's router.local_prefill_max_tokens (default: the policy's, 1024): a decode replica "
-        "holding all but this many prompt tokens prefills the rest itself",
-    )
-    p.add_argument(
-        "--no-long-local-prefill",
-        action="store_true",
-        help="pdserve prefills on a decode replica past --local-prefill-max-tokens only in prefill overflow "
-        "(topology router.long_local_prefill: false)",
-    )
-    overflow = p.add_mutually_exclusive_group()
-    overflow.add_argument(
-        "--prefill-overflow-queue-s",
-        type=_NON_NEGATIVE,
-        default=None,
-        help="pdserve's router.prefill_overflow_queue_s (default: the policy's, 10): with every prefill "
-        "replica this many estimated seconds behind, a decode replica's long local prefill is charged as a "
-        "short one's",
-    )
-    overflow.add_argument(
-        "--no-prefill-overflow",
-        action="store_true",
-        help="pdserve never treats a backed-up prefill pool as overflow (topology "
-        "router.prefill_overflow_queue_s: null)",
-    )
-    p.add_argument(
-        "--prefill-weight",
-        type=_NON_NEGATIVE,
-        default=None,
-        help="pdserve's router.prefill_weight (default: the policy's, 5): a cache miss is charged this many "
-        "times its own prefill seconds (higher: more hits, less balance)",
-    )
-    p.add_argument(
-        "--long-stall-weight",
-        type=_NON_NEGATIVE,
-        default=None,
-        help="pdserve's router.long_stall_weight (default: the policy's, 20): a long local prefill is "
-        "charged this many times its decode batch's wait (lower: more hits, higher decode TPOT)",
-    )
-    p.add_argument(
-        "--readback-ttl-s",
-        type=_POSITIVE,
-        default=None,
-        help="KV readback (topology router.kv_readback_ttl_s), for every policy: decode replicas keep a "
-        "finished turn's KV pinned this long and the session's next prefill pulls it; pdserve may also pull "
-        "any decode replica's cached prefix, pinned on request (exports) (default: off)",
-    )
-    p.add_argument(
-        "--no-readback-exports",
-        action="store_true",
-        help="with readback: pull only a session's pinned turn, never another cached prefix a decode "
-        "replica exports on request (topology router.kv_readback_exports: false)",
+        help="a topology file: pdserve's router section (routing settings, service_time) and pools' "
+        "kv_readback_ttl_s (readback, for every policy) come from it (default: the defaults)",
     )
     p.add_argument(
         "--bounds",
@@ -167,20 +119,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    overrides: dict[str, object] = {}
-    if args.local_prefill_max_tokens is not None:
-        overrides["local_prefill_max_tokens"] = args.local_prefill_max_tokens
-    if args.prefill_overflow_queue_s is not None:
-        overrides["prefill_overflow_queue_s"] = args.prefill_overflow_queue_s
-    if args.no_prefill_overflow:
-        overrides["prefill_overflow_queue_s"] = None
-    if args.no_long_local_prefill:
-        overrides["long_local_prefill"] = False
-    chosen = {"prefill": args.prefill_weight, "long_stall": args.long_stall_weight}
-    if weights := {k: v for k, v in chosen.items() if v is not None}:
-        overrides["weights"] = weights
+    topo = Topology()
+    if args.topology is not None:
+        try:
+            topo = load_topology(args.topology)
+        except (OSError, TopologyError) as e:
+            parser.error(f"argument --topology: {e}")
+    router = topo.router
     try:
-        policies = select(args.policies, overrides)
+        policies = select(args.policies, router)
     except ValueError as e:
         parser.error(f"argument --policies: {e}")
     limit = args.sessions if args.trace == "claude-code" else args.requests
@@ -212,15 +159,15 @@ def main(argv: list[str] | None = None) -> int:
         gap_scale=args.gap_scale,
         max_gap_s=args.max_gap_s,
         seed=args.seed,
-        timing=model_from_calibration(args.calibration),
-        readback_ttl_s=args.readback_ttl_s,
-        readback_exports=not args.no_readback_exports,
+        timing=router.service_time.timing(),
+        readback_ttl_s=float(topo.pools.kv_readback_ttl_s) or None,
+        readback_exports=router.kv_readback_exports,
     )
     fixed = args.concurrency if trace.closed_loop else args.time_scale
     if fixed is not None:
         cfg = msgspec.structs.replace(cfg, **{"concurrency" if trace.closed_loop else "time_scale": fixed})
     else:
-        ref = select(args.reference_policy, overrides)
+        ref = select(args.reference_policy, router)
         cfg = set_load(
             trace,
             cfg,
@@ -235,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         readback = "off" if cfg.readback_ttl_s is None else f"{cfg.readback_ttl_s:g} s"
         if cfg.readback_ttl_s is not None:
             readback += ", exports " + ("on" if cfg.readback_exports else "off")
-        pdserve = describe_pdserve(pdserve_config(overrides))
+        pdserve = describe_pdserve(router)
         print(f"{pdserve}; readback {readback}", flush=True)
     results = []
     for name, factory in policies.items():

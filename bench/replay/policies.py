@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable
 
-import msgspec
-
+from router.config import RouterConfig
 from router.policy.baselines import (
     LAUNCHER_DEFAULTS,
     RUST_DEFAULTS,
@@ -15,7 +13,7 @@ from router.policy.baselines import (
     RoundRobinPolicy,
     SGLangCacheAwarePolicy,
 )
-from router.policy.selector import PdservePolicy, PdservePolicyConfig
+from router.policy.selector import PdservePolicy
 from router.policy.service_time import ServiceTimeModel
 from router.policy.types import Policy
 
@@ -24,39 +22,23 @@ from router.policy.types import Policy
 PolicyFactory = Callable[[ServiceTimeModel], Policy]
 
 
-# PdservePolicyConfig fields a replay sets from its command line (e.g. local_prefill_max_tokens).
-PdserveOverrides = Mapping[str, Any]
-
-
-def pdserve_config(
-    overrides: PdserveOverrides | None = None, timing: ServiceTimeModel | None = None
-) -> PdservePolicyConfig:
-    """pdserve's policy as the replay runs it: the defaults with `overrides`, costed with the replay's
-    service-time model. Overrides are validated as a topology's router section is (msgspec.ValidationError,
-    a ValueError, naming the field)."""
-    cfg = msgspec.convert(dict(overrides or {}), PdservePolicyConfig)
-    if timing is not None:
-        cfg = msgspec.structs.replace(cfg, weights=msgspec.structs.replace(cfg.weights, timing=timing))
-    return cfg
-
-
-def describe_pdserve(cfg: PdservePolicyConfig) -> str:
+def describe_pdserve(cfg: RouterConfig) -> str:
     """The settings a replay's pdserve numbers depend on, for the report."""
     overflow = cfg.prefill_overflow_queue_s
     return (
-        f"pdserve: local_prefill_max_tokens {cfg.local_prefill_max_tokens}, prefill weight "
-        f"{cfg.weights.prefill:g}, balance {cfg.balance_weight:g}, churn {cfg.churn_weight:g}, "
-        f"long local prefill {f'stall x{cfg.weights.long_stall:g}' if cfg.long_local_prefill else 'off'}, "
+        f"pdserve: mode {cfg.mode}, local_prefill_max_tokens {cfg.local_prefill_max_tokens}, prefill weight "
+        f"{cfg.prefill_weight:g}, balance {cfg.balance_weight:g}, churn {cfg.churn_weight:g}, "
+        f"long local prefill stall x{cfg.long_stall_weight:g}, "
         f"prefill overflow {'off' if overflow is None else f'at {overflow:g} s queued'}"
     )
 
 
-def available_policies(pdserve_overrides: PdserveOverrides | None = None) -> dict[str, PolicyFactory]:
-    """Name -> factory; `pdserve_overrides` change PdservePolicyConfig's defaults (checked here)."""
-    pdserve_config(pdserve_overrides)
+def available_policies(router: RouterConfig | None = None) -> dict[str, PolicyFactory]:
+    """Name -> factory; pdserve runs with `router` (a topology's router section; default: the defaults)."""
+    cfg = router or RouterConfig()
 
     def pdserve(timing: ServiceTimeModel) -> Policy:
-        return PdservePolicy(pdserve_config(pdserve_overrides, timing))
+        return PdservePolicy(cfg, timing)
 
     return {
         "pdserve": pdserve,
@@ -70,9 +52,9 @@ def available_policies(pdserve_overrides: PdserveOverrides | None = None) -> dic
     }
 
 
-def select(names: str, pdserve_overrides: PdserveOverrides | None = None) -> dict[str, PolicyFactory]:
+def select(names: str, router: RouterConfig | None = None) -> dict[str, PolicyFactory]:
     """`all` or a comma-separated list of names."""
-    known = available_policies(pdserve_overrides)
+    known = available_policies(router)
     if names == "all":
         return known
     chosen = [n.strip() for n in names.split(",") if n.strip()]

@@ -1,58 +1,25 @@
 """pdserve's routing cost: one formula, in estimated seconds of this request's latency.
 
-    cost(P, D) = w_prefill  * prefill_s(uncached on P, cached on P)    computing the prompt on P
-               + w_queue    * queued_prefill_s(P)                     waiting behind P's queued prompts
-               + w_transfer * transfer_s(tokens D lacks, P~D node)     pulling the KV from P to D
-               + w_decode   * out * tpot_s(active(D) + 1, context(D) + prompt)   decoding the reply on D
-               + kv_full_s  * kv_usage(D)                             KV pressure on D (preemption risk)
-             [ + w_stall    * prefill_s * (active(D) + 1)             local prefill only: D's batch waits ]
+    cost = w_prefill  * prefill_s(uncached on C, cached on C)      computing the prompt on replica C
+         + w_queue    * queued_prefill_s(C)                       waiting behind C's queued prompts
+         + w_transfer * transfer_s(tokens C pulls, source~C node)  pulling a prefix C lacks (readback/export)
+         + balance + churn                                        C's recent work above its pool's mean
+         + w_decode   * out * tpot_s(active(D) + 1, context(D) + prompt) + kv_full_s * kv_usage(D)
+         + w_transfer * transfer_s(tokens D lacks, C~D node)      moving the KV from C to D
+         + w_stall    * prefill_s * (active(D) + 1)               C is D (local prefill): D's batch waits
 
-(w_stall is `long_stall` for a local prefill of a suffix longer than the local-prefill threshold, outside
-prefill overflow: see below.)
+C is the replica that computes the prompt: a prefill replica (disaggregated) or the decode replica D itself
+(local prefill: no transfer, and its batch waits). `router.policy.options` enumerates the options, this
+module scores one (`Terms`, whose `total` the selector compares), `router.policy.selector` picks. Every time
+comes from `router.policy.service_time.ServiceTimeModel`, the model the trace replay charges, so a cached
+token is worth what it saves (a hit on a long context saves attention over all of it). `out` is the request's
+`max_tokens` capped at `max_output_tokens` (clients often send a large ceiling).
 
-Every time comes from `router.policy.service_time.ServiceTimeModel`, the model the trace replay charges, so a
-cached token is worth what it saves: a hit on a long context saves the attention over all of it (quadratic),
-which a count of tokens undervalues against a few thousand queued tokens. `queued_prefill_s(P)` is the sum of
-the same estimate over the prompts queued on P (`router.load.LoadTracker` keeps it; `out` is the request's
-`max_tokens`, capped at `max_output_tokens` because clients often send a large ceiling).
-
-For the local-prefill option (D computes the prompt itself, no P) the same formula applies with P := D and no
-transfer, plus the stall term: while D computes a prompt, every sequence in its batch (and the next one it
-admits) waits, so the prompt's seconds are charged once per sequence. For a suffix under the local-prefill
-threshold it is small and weighted `stall`; it ranks decode replicas. A longer suffix (the selector offers it
-to a decode replica holding the prompt's context, `PdservePolicyConfig.long_local_prefill`) spans many engine
-steps and slows every running sequence for all of them: weighted `long_stall`, so that it is taken when the
-context's recompute elsewhere costs far more than the batch's wait, and kept off busy batches. When the
-prefill pool is backed up (prefill overflow), the queue it would wait in is the alternative: `stall` again.
-With KV readback (`RouteRequest.readback`: the session's previous decode replica keeps its KV pinned), "cached
-on P" is the longer of P's own prefix and the pinned one, and the pull of the difference is one more transfer
-term. The selector (`router.policy.selector`) decides which options exist and adds that term; this module only
-scores them.
-
-Defaults: with every weight 1 the cost would be the request's own estimated end-to-end seconds. That greedy
-choice gives up a cached prefix whenever its holder's queue is longer than the miss, but a miss also occupies
-the replica for everything queued after it and evicts other sessions' prefixes (future misses), so the prefill
-weight is 5: a miss is charged five times its own seconds. Chosen by a sweep on the trace replay (weight 1 / 3
-/ 5 / 10 on Claude Code at ~50% utilisation: hit/bound 0.94 / 0.97 / 0.98 / 0.99, with max/mean load rising;
-on Mooncake 0.64 / 0.73 / 0.75 / 0.80 with TTFT P99 flat to weight 10); it is a tuning knob, not a measurement
-(topology `router.prefill_weight`). Re-swept with long local prefill (readback off): on Mooncake (time scale
-2.5 / 2.947 / 3.4, prefill utilisation 0.48-0.67) weight 5 / 20 / 40 gives hit/bound 0.796-0.818 / 0.846-0.856
-/ 0.861-0.873, TTFT P99 7.26-7.52 / 7.40-7.71 / 7.62-8.87 s (dynamo_kv 7.61-8.46 s, sglang_launcher 0.865 at
-14-15 s); on Claude Code (concurrency 64 and 72, seeds 0-4) 5 / 20 / 40 gives 0.979-0.990 / 0.995-0.997 /
-0.996-0.998, but max/mean prefill tokens up to 1.13 / 1.18 / 1.18 and decode TPOT P99 up to 31 / 32 / 37 ms.
-20 keeps Mooncake's TTFT P99 below every baseline's at all three loads, 40 does not. 5 stays the default: long
-agent contexts already make a miss costly, and more weight there only costs balance. `stall` 1 charges each
-waiting sequence the whole prefill, as the replay models it (vLLM's chunked prefill interleaves decode steps
-with it, so this overstates the wait). `long_stall` 20 (topology `router.long_stall_weight`) was chosen on the
-replay (Claude Code, readback off, concurrency 64, seeds 0-4, long local prefill offered at every queue
-length, one weight for every local prefill's stall): weight 1 / 5 / 10 / 20 gave hit/bound 0.997-0.998 /
-0.994-0.996 / 0.992-0.993 / 0.988-0.990, TTFT P99 18-21 / 24-33 / 28-45 / 44-64 s and decode TPOT P99 42-52 /
-24-32 / 20-26 / 18-19 ms (no long local prefill: 0.961-0.975, 56-123 s, 18-28 ms). 20 keeps TPOT where
-disaggregation puts it; lighter weights buy TTFT with decode latency. As configured by default (short local
-prefills and prefill overflow at `stall`) 20 gives 0.988-0.990, 26-35 s, 20-22 ms. `kv_full_s` is a judgement,
-not a measurement: a decode replica at full KV preempts and recomputes sequences; 2 s is the recompute of a
-~40k-token context on the default model. Decoding's slowdown of the sequences already on D is not charged (it
-is small against the terms above: one more sequence adds ~1 ms to a ~25 ms step).
+The stall weight is `stall` for a short local prefill (it ranks decode replicas) and for one taken because
+the prefill pool is backed up (prefill overflow: the queue is the alternative), `long_stall` for a long one
+(it spans many engine steps and slows every running sequence). With every weight 1 the cost would be the
+request's own end-to-end estimate; `prefill` 5 charges a miss for what it does to the queue behind it and to
+the prefixes it evicts. Why each weight has its value: docs/routing.md.
 """
 
 from __future__ import annotations
@@ -61,34 +28,32 @@ from typing import Annotated
 
 import msgspec
 
+from router.config import RouterConfig
 from router.policy.service_time import ServiceTimeModel
-from router.policy.types import ReplicaView
+from router.policy.types import ReplicaView, Terms
 
 NonNegative = Annotated[float, msgspec.Meta(ge=0)]
 
 
 class CostWeights(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
-    timing: ServiceTimeModel = ServiceTimeModel()
-    prefill: NonNegative = 5.0
+    timing: ServiceTimeModel
+    prefill: NonNegative  # router.prefill_weight
+    long_stall: NonNegative  # router.long_stall_weight
     queue: NonNegative = 1.0
     transfer: NonNegative = 1.0
     decode: NonNegative = 1.0
-    kv_full_s: NonNegative = 2.0
+    kv_full_s: NonNegative = 2.0  # a judgement: the recompute of a ~40k-token context on the default model
     stall: NonNegative = 1.0
-    long_stall: NonNegative = 20.0
     max_output_tokens: Annotated[int, msgspec.Meta(ge=0)] = 1024
 
-
-class CostTerms(msgspec.Struct, frozen=True, kw_only=True):
-    uncached_prefill_tokens: int
-    transfer_tokens: int
-    # Weighted seconds of each term, and their sum.
-    prefill_s: float
-    queue_s: float
-    transfer_s: float
-    decode_s: float
-    stall_s: float  # local prefill only
-    total: float
+    @staticmethod
+    def of(cfg: RouterConfig, timing: ServiceTimeModel | None = None) -> CostWeights:
+        """The weights `cfg` asks for, costed with `timing` (default: `cfg.service_time`'s)."""
+        return CostWeights(
+            timing=timing or cfg.service_time.timing(),
+            prefill=cfg.prefill_weight,
+            long_stall=cfg.long_stall_weight,
+        )
 
 
 def cached_tokens(matched_blocks: int, block_size: int, num_prompt_tokens: int) -> int:
@@ -107,10 +72,6 @@ def estimated_prefill_s(timing: ServiceTimeModel, num_prompt_tokens: int, cached
     return timing.prefill_s(num_prompt_tokens - cached, cached)
 
 
-# The formula's terms. `cost` adds them; the selector adds the same terms itself to search pairs in O(|P| +
-# |D|).
-
-
 def queued_prefill_s(timing: ServiceTimeModel, r: ReplicaView) -> float:
     """Estimated seconds of prefill work queued on `r`."""
     if r.queued_prefill_s is not None:
@@ -122,14 +83,8 @@ def queued_prefill_s(timing: ServiceTimeModel, r: ReplicaView) -> float:
     return reqs * timing.prefill_s(r.queued_prefill_tokens // reqs, 0)
 
 
-def queued_s(w: CostWeights, r: ReplicaView) -> float:
-    """Weighted seconds of prefill work queued on `r`."""
+def queue_term(w: CostWeights, r: ReplicaView) -> float:
     return w.queue * queued_prefill_s(w.timing, r)
-
-
-def prefill_term(w: CostWeights, num_prompt_tokens: int, cached: int, r: ReplicaView) -> float:
-    """Weighted seconds until the prompt is computed on `r`: its own prefill plus `r`'s queue."""
-    return w.prefill * estimated_prefill_s(w.timing, num_prompt_tokens, cached) + queued_s(w, r)
 
 
 def decode_term(w: CostWeights, d: ReplicaView, num_prompt_tokens: int, max_tokens: int) -> float:
@@ -145,12 +100,12 @@ def stall_term(w: CostWeights, d: ReplicaView, prefill_s: float, *, long: bool =
     return (w.long_stall if long else w.stall) * prefill_s * (d.active_seqs + 1)
 
 
-def transfer_term(w: CostWeights, transfer_tokens: int, within_node: bool) -> float:
-    return w.transfer * w.timing.transfer_s(transfer_tokens, within_node)
+def transfer_term(w: CostWeights, tokens: int, within_node: bool) -> float:
+    return w.transfer * w.timing.transfer_s(tokens, within_node)
 
 
-def same_node(p: ReplicaView, d: ReplicaView) -> bool:
-    return p.node_id is not None and p.node_id == d.node_id
+def same_node(a: ReplicaView, b: ReplicaView) -> bool:
+    return a.node_id is not None and a.node_id == b.node_id
 
 
 def cost(
@@ -163,25 +118,16 @@ def cost(
     cached_on_decode: int,
     *,
     long_stall: bool = False,
-) -> CostTerms:
-    """Score computing the prompt on `computing` and decoding on `decode` (the same replica = local
-    prefill; `long_stall`: a long local prefill, its stall weighted `CostWeights.long_stall`)."""
-    uncached = num_prompt_tokens - cached_on_computing
-    local = computing.replica_id == decode.replica_id
-    transfer = 0 if local else num_prompt_tokens - cached_on_decode
+) -> Terms:
+    """Score computing the prompt on `computing` and decoding on `decode` (the same replica: local
+    prefill; `long_stall`: a long local prefill), without pulls or balance charges (`options` adds those)."""
     own = estimated_prefill_s(w.timing, num_prompt_tokens, cached_on_computing)
-    prefill = w.prefill * own
-    queue = queued_s(w, computing)
-    move = transfer_term(w, transfer, same_node(computing, decode))
-    dec = decode_term(w, decode, num_prompt_tokens, max_tokens)
-    stall = stall_term(w, decode, own, long=long_stall) if local else 0.0
-    return CostTerms(
-        uncached_prefill_tokens=uncached,
-        transfer_tokens=transfer,
-        prefill_s=prefill,
-        queue_s=queue,
-        transfer_s=move,
-        decode_s=dec,
-        stall_s=stall,
-        total=prefill + queue + move + dec + stall,
+    local = computing.replica_id == decode.replica_id
+    move = num_prompt_tokens - cached_on_decode
+    return Terms(
+        prefill=w.prefill * own,
+        queue=queue_term(w, computing),
+        decode=decode_term(w, decode, num_prompt_tokens, max_tokens),
+        transfer=0.0 if local else transfer_term(w, move, same_node(computing, decode)),
+        stall=stall_term(w, decode, own, long=long_stall) if local else 0.0,
     )

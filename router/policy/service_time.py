@@ -5,10 +5,10 @@ The router estimates with the same formula the replay charges, so a policy decis
 benchmark measures (seconds) and a mismatch between belief and simulated cost can only come from what the
 router does not know (cache state at prefill start, queue contents), not from two different formulas.
 
-The modelled replica: one 8x H200 node serving a DeepSeek-V3-class model (671B MoE, 37B active parameters, MLA
-attention, 61 layers, 128 heads), the class DESIGN.md targets. The default per-GPU rates are the measured H200
-numbers of bench/data/calibration/h200_calibration.json, rounded (`bench.replay.timing.model_from_calibration`
-reads them from the file):
+The modelled replica (`ServiceTime`, the topology's `router.service_time`): `gpus_per_replica` GPUs of a named
+`hardware` serving a model of a given shape (`ModelShape`; the default is DeepSeek-V3: 671B MoE, 37B active
+parameters, MLA attention, 61 layers, 128 heads). The per-GPU rates are measured data,
+`router/policy/hardware/<hardware>.json` (`GpuRates.measured`):
 
 - Prefill = per-request overhead + linear layers + causal attention, both compute-bound:
   * linear: 2 x active_params FLOPs per new token, at the measured large-M bf16 GEMM rate (median over the
@@ -19,17 +19,21 @@ reads them from the file):
     long cached context still costs: the new tokens attend to all of it, and why a miss on a 100k-token
     context costs ~25x a hit.
 - Decode step (TPOT) for a batch of B sequences holding K context tokens: step overhead + expert/dense
-  weight bytes touched by B tokens (top-8 of 256 experts, fp8) streamed at the measured small-M weight-
-  streaming rate + K x kv_bytes_per_token streamed at the measured decode-attention rate.
+  weight bytes touched by B tokens (top-k of the experts) streamed at the measured small-M weight-streaming
+  rate + K x kv_bytes_per_token streamed at the measured decode-attention rate.
 - KV transfer P -> D: bytes / link bandwidth (8 x 400 Gb/s InfiniBand per node across nodes; NVLink within a
   node), plus a fixed setup latency.
 
-The constants that are not measured (efficiency, overheads, links) are named fields.
+The constants that are not measured (efficiency, overheads, links) are named fields of `ServiceTimeModel`.
 """
 
 from __future__ import annotations
 
-from typing import Annotated
+import functools
+import json
+import statistics
+from pathlib import Path
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -38,8 +42,13 @@ NonNegative = Annotated[float, msgspec.Meta(ge=0)]
 PositiveInt = Annotated[int, msgspec.Meta(gt=0)]
 
 
-class ServiceTimeModel(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    gpus_per_replica: PositiveInt = 8
+HARDWARE_DIR = Path(__file__).resolve().parent / "hardware"
+Hardware = Literal["h200"]  # the files in HARDWARE_DIR
+
+
+class ModelShape(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What the service times need of the served model (defaults: DeepSeek-V3)."""
+
     active_params: Positive = 37e9
     total_params: Positive = 671e9
     # Parameters every token touches (attention projections, dense layers, shared experts, embeddings).
@@ -52,11 +61,52 @@ class ServiceTimeModel(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     qk_head_dim: PositiveInt = 192
     v_head_dim: PositiveInt = 128
     kv_bytes_per_token: Positive = 70e3  # MLA latent, bf16
-    # Measured per-GPU rates (calibration); defaults are the file's values rounded.
-    gemm_flops: Positive = 680e12
-    attention_flops: Positive = 570e12
-    weight_stream_bytes_per_s: Positive = 3.4e12
-    kv_stream_bytes_per_s: Positive = 4.4e12
+
+
+class GpuRates(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Per-GPU rates, as measured."""
+
+    gemm_flops: Positive
+    attention_flops: Positive
+    weight_stream_bytes_per_s: Positive
+    kv_stream_bytes_per_s: Positive
+
+    @staticmethod
+    @functools.cache
+    def measured(hardware: Hardware = "h200") -> GpuRates:
+        """The rates of `HARDWARE_DIR/<hardware>.json`: large-M GEMM rate (median over shapes at M >= 2048),
+        small-M weight-streaming rate (median at M <= 64), causal prefill attention rate at the longest
+        sequence, best decode-attention KV streaming rate."""
+        cal = json.loads((HARDWARE_DIR / f"{hardware}.json").read_text())
+        gemm = [row["TFLOPs"] for rows in cal["gemm_bf16"].values() for row in rows if row["M"] >= 2048]
+        stream = [row["GBps"] for rows in cal["gemm_bf16"].values() for row in rows if row["M"] <= 64]
+        attn = max(cal["prefill_attention_causal_h64_d128"], key=lambda r: r["S"])["TFLOPs"]
+        kv = max(r["kv_GBps"] for r in cal["decode_attention_gqa64_8_h128"])
+        return GpuRates(
+            gemm_flops=statistics.median(gemm) * 1e12,
+            attention_flops=attn * 1e12,
+            weight_stream_bytes_per_s=statistics.median(stream) * 1e9,
+            kv_stream_bytes_per_s=kv * 1e9,
+        )
+
+
+class ServiceTime(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The topology's `router.service_time`: what one replica is, for the routing cost's estimates."""
+
+    hardware: Hardware = "h200"
+    gpus_per_replica: PositiveInt = 8
+    model: ModelShape = msgspec.field(default_factory=ModelShape)
+
+    def timing(self) -> ServiceTimeModel:
+        return ServiceTimeModel(
+            shape=self.model, rates=GpuRates.measured(self.hardware), gpus_per_replica=self.gpus_per_replica
+        )
+
+
+class ServiceTimeModel(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    shape: ModelShape = msgspec.field(default_factory=ModelShape)
+    rates: GpuRates = msgspec.field(default_factory=GpuRates.measured)
+    gpus_per_replica: PositiveInt = 8
     # Assumed: fraction of the per-GPU rate a multi-GPU replica keeps (communication, imbalance).
     parallel_efficiency: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.6
     prefill_overhead_s: NonNegative = 0.015
@@ -70,22 +120,24 @@ class ServiceTimeModel(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
         """Seconds to compute `new_tokens` prompt tokens after `cached_tokens` taken from the prefix cache."""
         if new_tokens <= 0:
             return self.prefill_overhead_s
+        m, r = self.shape, self.rates
         scale = self.gpus_per_replica * self.parallel_efficiency
-        linear = 2.0 * self.active_params * new_tokens / (self.gemm_flops * scale)
+        linear = 2.0 * m.active_params * new_tokens / (r.gemm_flops * scale)
         pairs = new_tokens * cached_tokens + new_tokens * (new_tokens + 1) / 2
-        flops_per_pair = 2.0 * self.heads * (self.qk_head_dim + self.v_head_dim) * self.layers
-        attention = flops_per_pair * pairs / (self.attention_flops * scale)
+        flops_per_pair = 2.0 * m.heads * (m.qk_head_dim + m.v_head_dim) * m.layers
+        attention = flops_per_pair * pairs / (r.attention_flops * scale)
         return self.prefill_overhead_s + linear + attention
 
     def tpot_s(self, batch: int, context_tokens: int) -> float:
         """Seconds per decode step of a batch of `batch` sequences holding `context_tokens` KV tokens."""
         if batch <= 0:
             return self.decode_step_overhead_s
-        untouched = (1.0 - self.experts_per_token / self.num_experts) ** batch
-        expert_params = self.total_params - self.dense_params
-        weight_bytes = (self.dense_params + expert_params * (1.0 - untouched)) * self.weight_bytes_per_param
-        weights = weight_bytes / (self.weight_stream_bytes_per_s * self.gpus_per_replica)
-        kv = context_tokens * self.kv_bytes_per_token / (self.kv_stream_bytes_per_s * self.gpus_per_replica)
+        m, r = self.shape, self.rates
+        untouched = (1.0 - m.experts_per_token / m.num_experts) ** batch
+        expert_params = m.total_params - m.dense_params
+        weight_bytes = (m.dense_params + expert_params * (1.0 - untouched)) * m.weight_bytes_per_param
+        weights = weight_bytes / (r.weight_stream_bytes_per_s * self.gpus_per_replica)
+        kv = context_tokens * m.kv_bytes_per_token / (r.kv_stream_bytes_per_s * self.gpus_per_replica)
         return self.decode_step_overhead_s + weights + kv
 
     def transfer_s(self, tokens: int, same_node: bool = False) -> float:
@@ -93,4 +145,4 @@ class ServiceTimeModel(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
         if tokens <= 0:
             return 0.0
         link = self.same_node_link_bytes_per_s if same_node else self.link_bytes_per_s
-        return self.transfer_setup_s + tokens * self.kv_bytes_per_token / link
+        return self.transfer_setup_s + tokens * self.shape.kv_bytes_per_token / link

@@ -49,6 +49,33 @@ class ReplicaView(msgspec.Struct, kw_only=True, frozen=True):
         return self.ready and not self.draining
 
 
+class Terms(msgspec.Struct, frozen=True, kw_only=True):
+    """One option's weighted seconds, term by term (what the log and the decision show)."""
+
+    prefill: float = 0.0
+    queue: float = 0.0
+    pull: float = 0.0
+    balance: float = 0.0
+    churn: float = 0.0
+    decode: float = 0.0
+    transfer: float = 0.0
+    stall: float = 0.0
+
+    @property
+    def total(self) -> float:
+        # Added in this order everywhere (the computing replica's part first), so equal options tie exactly.
+        return (
+            self.prefill
+            + self.queue
+            + self.pull
+            + self.balance
+            + self.churn
+            + self.decode
+            + self.transfer
+            + self.stall
+        )
+
+
 class Readback(msgspec.Struct, frozen=True):
     """KV a decode replica keeps pinned after a session's previous turn, which a prefill replica can pull
     over NIXL instead of computing (vLLM's bidirectional KV transfer): the first `tokens` tokens of this
@@ -90,6 +117,8 @@ class Decision(msgspec.Struct, kw_only=True):
     readback_replica: str | None = None
     readback_export: bool = False
     cost: float
+    # The cost's terms (pdserve's policy; None for baselines).
+    terms: Terms | None = None
     # Short machine-friendly label for logs/metrics, e.g. "cost", "local_prefill", "affinity", "round_robin".
     reason: str
 

@@ -11,31 +11,34 @@ from bench.replay.cli import main
 SMALL = ["--trace", "mooncake", "--requests", "300", "--time-scale", "2.947", "--policies", "pdserve"]
 
 
-def test_the_local_prefill_settings_reach_pdserve_and_the_report(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main([*SMALL, "--prefill-overflow-queue-s", "5"]) == 0
-    assert "prefill overflow at 5 s queued" in capsys.readouterr().out
-    assert main([*SMALL, "--no-prefill-overflow"]) == 0
-    assert "prefill overflow off" in capsys.readouterr().out
+def test_the_topologys_router_section_and_readback_reach_pdserve_and_the_report(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(SMALL) == 0
-    assert "long local prefill stall x20, prefill overflow at 10 s queued" in capsys.readouterr().out
-    assert main([*SMALL, "--no-long-local-prefill"]) == 0
-    assert "long local prefill off, prefill overflow at 10 s queued" in capsys.readouterr().out
-
-
-def test_the_cost_weights_reach_pdserve_and_the_report(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main([*SMALL, "--prefill-weight", "20", "--long-stall-weight", "5"]) == 0
     out = capsys.readouterr().out
-    assert "prefill weight 20, balance 0.2" in out and "long local prefill stall x5," in out
-    assert main([*SMALL, "--long-stall-weight", "1"]) == 0
+    assert "pdserve: mode auto, local_prefill_max_tokens 1024, prefill weight 5," in out
+    assert "prefill overflow at 10 s queued; readback off" in out
+    topo = tmp_path / "t.yaml"
+    topo.write_text(
+        "router: {mode: disaggregate, prefill_weight: 20, prefill_overflow_queue_s: null}\n"
+        "pools: {kv_readback_ttl_s: 60}\n"
+    )
+    assert main([*SMALL, "--topology", str(topo)]) == 0
     out = capsys.readouterr().out
-    assert "prefill weight 5, balance 0.2" in out and "long local prefill stall x1," in out
+    assert "pdserve: mode disaggregate, local_prefill_max_tokens 1024, prefill weight 20," in out
+    assert "prefill overflow off; readback 60 s, exports on" in out
 
 
-def test_a_threshold_and_no_overflow_together_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_bad_topology_is_refused_with_its_field_path(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    topo = tmp_path / "t.yaml"
+    topo.write_text("router: {prefill_weight: -1}\n")
     with pytest.raises(SystemExit) as exit_:
-        main([*SMALL, "--prefill-overflow-queue-s", "5", "--no-prefill-overflow"])
+        main([*SMALL, "--topology", str(topo)])
     assert exit_.value.code == 2
-    assert "not allowed with argument" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "argument --topology:" in err and "router.prefill_weight" in err and "Traceback" not in err
 
 
 def test_a_trace_folder_without_sessions_is_refused_with_what_is_missing(
@@ -57,9 +60,7 @@ def test_a_trace_folder_without_sessions_is_refused_with_what_is_missing(
         (["--cache-frac", "1.5"], "argument --cache-frac: must be > 0 and <= 1, got 1.5"),
         (["--time-scale", "0"], "argument --time-scale: must be > 0, got 0"),
         (["--requests", "0"], "argument --requests: must be >= 1, got 0"),
-        (["--local-prefill-max-tokens", "-5"], "argument --local-prefill-max-tokens: must be >= 0, got -5"),
-        (["--prefill-weight", "-1"], "argument --prefill-weight: must be >= 0, got -1"),
-        (["--readback-ttl-s", "ten"], "argument --readback-ttl-s: expected float, got 'ten'"),
+        (["--gap-scale", "ten"], "argument --gap-scale: expected float, got 'ten'"),
         (["--policies", "pdserve,sglang"], "argument --policies: unknown policies ['sglang']; known: ["),
         (["--traces-dir", "/nonexistent"], "argument --traces-dir: No such file or directory: /nonexistent/"),
     ],

@@ -24,7 +24,7 @@ import ray
 from ports import free_port
 from ray_nodes import RayNodes
 
-from cluster.bootstrap import deploy, wait_until_running
+from cluster.bootstrap import deploy, router_process, wait_until_running
 from cluster.serve_config import compile_serve_config
 from cluster.topology import Topology, parse_topology
 from engine.model_source import resolve_model_dir
@@ -173,13 +173,11 @@ class Router:
                 time.sleep(0.2)
 
     def _run(self) -> None:
-        from router.app import RouterProcess
-
         async def main() -> None:
             self._loop = asyncio.get_running_loop()
             self._stop = asyncio.Event()
             try:
-                process = RouterProcess(self._topo, resolve_model_dir(self._topo.model.source), APP)
+                process = router_process(self._topo, resolve_model_dir(self._topo.model.source), APP)
                 serving = asyncio.create_task(process.serve_until(self._stop))
                 await asyncio.sleep(0.5)
             except BaseException as exc:

@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
@@ -13,7 +14,7 @@ from ray.serve.schema import ServeDeploySchema
 
 from cluster.serve_config import compile_serve_config, render_rayservice
 from cluster.topology import Topology, load_topology, selector_matches
-from router.policy.selector import PdservePolicyConfig
+from router.config import RouterConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -56,11 +57,13 @@ def test_every_file_is_documented(path: Path) -> None:
     assert path.read_text().startswith("#"), f"{name(path)} should open with a comment saying what it is"
 
 
-def test_the_replays_local_prefill_threshold_is_the_h200_examples() -> None:
-    # The trace replay evaluates PdservePolicyConfig's defaults against H200 service times; the threshold it
-    # measures is the one the H200 example deploys (the topology default is sized for the tiny local model).
+def test_the_h200_example_routes_with_the_defaults_the_replay_evaluates() -> None:
+    # The trace replay evaluates the router's defaults; the H200 example deploys them, costed for its model.
     h200 = load_topology(DEPLOY / "h200-kimi-k2.yaml")
-    assert h200.router.local_prefill_max_tokens == PdservePolicyConfig().local_prefill_max_tokens
+    assert msgspec.structs.replace(
+        h200.router, service_time=RouterConfig().service_time
+    ) == msgspec.structs.replace(RouterConfig(), overload_queue_tokens=h200.router.overload_queue_tokens)
+    assert h200.router.service_time.model.num_experts == 384  # Kimi-K2's shape, not DeepSeek-V3's
 
 
 def test_local_topology_is_the_defaults_written_out() -> None:
@@ -68,7 +71,8 @@ def test_local_topology_is_the_defaults_written_out() -> None:
     defaults = Topology()
     assert local.model == defaults.model
     assert local.server == defaults.server
-    assert local.router == defaults.router
+    # The tiny model's 2048-token context: a smaller local-prefill threshold than the H200 default.
+    assert local.router == msgspec.structs.replace(defaults.router, local_prefill_max_tokens=256)
     for (_, pool), (_, default) in zip(local.pools.items(), defaults.pools.items(), strict=True):
         assert (pool.replicas, pool.gpus_per_replica, pool.cpu_engine) == (
             default.replicas,

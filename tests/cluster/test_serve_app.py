@@ -26,10 +26,10 @@ def test_no_prefill_pool_means_a_plain_decode_engine_without_a_kv_connector() ->
 
 
 def test_kv_readback_reaches_both_pools_and_only_with_a_prefill_pool() -> None:
-    topo = parse_topology("router: {kv_readback_ttl_s: 480}")
+    topo = parse_topology("pools: {kv_readback_ttl_s: 480}")
     assert [engine_spec(topo, role).kv_readback_ttl_s for role in ("prefill", "decode")] == [480, 480]
     assert engine_spec(parse_topology(""), "decode").kv_readback_ttl_s == 0  # off by default
-    alone = parse_topology("router: {kv_readback_ttl_s: 480}\npools: {prefill: {replicas: 0}}")
+    alone = parse_topology("pools: {kv_readback_ttl_s: 480, prefill: {replicas: 0}}")
     assert engine_spec(alone, "decode").kv_readback_ttl_s == 0
 
 

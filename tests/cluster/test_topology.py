@@ -19,7 +19,7 @@ from cluster.topology import (
     selector_matches,
     tool_call_parser,
 )
-from router.policy.selector import PdservePolicyConfig
+from router.config import RouterConfig
 
 BROKEN = sorted((Path(__file__).parent / "broken").glob("*.yaml"))
 
@@ -85,27 +85,12 @@ def test_defaults_are_the_local_cpu_cluster() -> None:
     assert topo.ray.address is None
 
 
-def test_router_policy_defaults_are_the_policys() -> None:
-    router, policy = Topology().router, PdservePolicyConfig()
-    assert (router.balance_weight, router.churn_weight) == (policy.balance_weight, policy.churn_weight)
-    assert (router.prefill_weight, router.long_stall_weight) == (
-        policy.weights.prefill,
-        policy.weights.long_stall,
-    )
-    assert router.long_local_prefill == policy.long_local_prefill
-    assert router.prefill_overflow_queue_s == policy.prefill_overflow_queue_s
-    text = (
-        "router: {balance_weight: 0.1, churn_weight: 0, long_local_prefill: false, "
-        "prefill_overflow_queue_s: null, prefill_weight: 20, long_stall_weight: 5}"
-    )
-    cfg = parse_topology(text).router
-    assert (cfg.balance_weight, cfg.churn_weight, cfg.long_local_prefill, cfg.prefill_overflow_queue_s) == (
-        0.1,
-        0.0,
-        False,
-        None,
-    )
-    assert (cfg.prefill_weight, cfg.long_stall_weight) == (20.0, 5.0)
+def test_the_router_section_is_the_routers_own_config() -> None:
+    assert Topology().router == RouterConfig()
+    cfg = parse_topology(
+        "router: {mode: disaggregate, prefill_weight: 20, prefill_overflow_queue_s: null}"
+    ).router
+    assert (cfg.mode, cfg.prefill_weight, cfg.prefill_overflow_queue_s) == ("disaggregate", 20.0, None)
 
 
 def test_empty_document_gives_the_defaults() -> None:
@@ -163,7 +148,9 @@ def test_unknown_key_without_close_match_lists_allowed_keys() -> None:
     with pytest.raises(TopologyError) as info:
         parse_topology("router: {zzz: 1}")
     assert info.value.path == "router.zzz"
-    assert info.value.reason.startswith("unknown key (allowed: local_prefill_max_tokens, session_affinity")
+    assert info.value.reason.startswith(
+        "unknown key (allowed: mode, local_prefill_max_tokens, prefill_overflow"
+    )
 
 
 def test_unknown_key_inside_a_list_item() -> None:

@@ -12,12 +12,10 @@ from ports import free_port
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningCluster]:
     # Every request takes the prefill -> NIXL -> decode path: these tests are about that path, so the
-    # router's local-prefill shortcuts (tested in test_kv_routing.py) are off.
+    # router's local prefills (tested in test_kv_routing.py) are off.
     topology = make_topology(
         tmp_path_factory.mktemp("topology"),
-        router__local_prefill_max_tokens=0,
-        router__long_local_prefill=False,
-        router__prefill_overflow_queue_s=None,
+        router__mode="disaggregate",
         server__http_port=free_port(),  # the OpenAI HTTP door too
     )
     with cluster_up(topology) as running:

@@ -11,8 +11,10 @@ import random
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
+import yaml
 from e2e_support import RunningCluster, cluster_up, make_topology
 from ports import free_port
 
@@ -30,7 +32,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningCluster
     topology = make_topology(
         tmp_path_factory.mktemp("kv"),
         pools__decode__replicas=2,
-        router__kv_readback_ttl_s=480,
+        pools__kv_readback_ttl_s=480,
         server__http_port=free_port(),
     )
     with cluster_up(topology) as running:
@@ -310,3 +312,48 @@ def test_an_http_session_stays_where_its_cache_is(cluster: RunningCluster, clien
     assert (
         second.usage.prompt_tokens_details.cached_tokens >= (first.usage.prompt_tokens // BLOCK - 1) * BLOCK
     )
+
+
+def test_a_router_setting_applied_to_the_running_cluster_changes_the_next_decisions_without_a_restart(
+    cluster: RunningCluster, client: PdserveClient, tmp_path: Path
+) -> None:
+    """`pdserve apply` of `router.mode: disaggregate`: a session's next turn, which the running router would
+    prefill on its decode replica, takes the prefill hop instead; no engine replica restarts. (Last in this
+    module: it leaves the router in that mode.)"""
+    engines = sorted((r.replica_id, r.role) for r in client.cluster_status())
+    first = client.generate_text(
+        messages=conversation(1), session_id="apply-1", max_tokens=8, temperature=0.0
+    )
+    time.sleep(1.0)
+    before = client.generate_text(
+        messages=conversation(2), session_id="apply-1", max_tokens=8, temperature=0.0
+    )
+    assert before.served_by.path == pb.SERVING_PATH_LOCAL_PREFILL
+    assert before.served_by.decode_replica == first.served_by.decode_replica
+
+    topo = yaml.safe_load(cluster.topology.read_text())
+    topo["router"]["mode"] = "disaggregate"
+    changed = tmp_path / "disaggregate.yaml"
+    changed.write_text(yaml.safe_dump(topo))
+    applied = cluster.cli("apply", "-f", str(changed))
+    assert applied.returncode == 0, applied.stdout + applied.stderr
+    assert "router.mode: auto -> disaggregate" in applied.stdout
+    assert "registry: records the new topology (reconfigured in place)" in applied.stdout
+    assert all(
+        line.endswith("unchanged")
+        for line in applied.stdout.splitlines()
+        if line.strip().startswith(("prefill", "decode"))
+    )
+    deadline = time.monotonic() + 30
+    while True:  # the router follows the deployed topology within about a second
+        after = client.generate_text(
+            messages=conversation(3), session_id="apply-1", max_tokens=8, temperature=0.0
+        )
+        if after.served_by.path == pb.SERVING_PATH_DISAGGREGATED or time.monotonic() > deadline:
+            break
+        time.sleep(1.0)
+    assert after.served_by.path == pb.SERVING_PATH_DISAGGREGATED
+    assert after.served_by.prefill_replica and after.usage.kv_transferred_tokens > 0
+    # The session is still where its KV is: the decode replica and its state were kept.
+    assert after.served_by.decode_replica == first.served_by.decode_replica
+    assert sorted((r.replica_id, r.role) for r in client.cluster_status()) == engines

@@ -7,10 +7,11 @@ import asyncio
 import time
 from typing import Any
 
+import msgspec
 import pytest
 
 from engine.double import VOCAB_SIZE, DoubleEngineHost, DoubleTiming, double_tokens
-from engine.messages import EngineRequest, Sampling, TokenBatch
+from engine.messages import EngineRequest, Sampling, StreamBatch, TokenBatch
 from engine.spec import EngineSpec, spec_env, spec_from_env
 
 FAST = DoubleTiming(decode_s_per_token=0.002)
@@ -68,8 +69,9 @@ async def test_tokens_depend_only_on_the_sequence_so_far_and_stay_in_the_vocabul
 
 
 async def test_stream_sends_the_first_token_alone_then_batches_and_ends_with_a_final_batch() -> None:
-    h = host(stream_batch_tokens=4, stream_batch_ms=10_000.0)
-    batches = await collect(h, request([1, 2, 3, 4, 5], max_tokens=10))
+    h = host()
+    req = msgspec.structs.replace(request([1, 2, 3, 4, 5], max_tokens=10), stream=StreamBatch(4, 10_000.0))
+    batches = await collect(h, req)
     assert [len(b.token_ids) for b in batches] == [1, 4, 4, 1]
     assert [b.finish_reason for b in batches] == [None, None, None, "length"]
     last = batches[-1]

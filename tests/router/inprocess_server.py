@@ -15,7 +15,7 @@ from typing import Any
 from grpc_health.v1 import health_pb2
 from ports import free_port
 
-from engine.messages import EngineRequest, TokenBatch
+from engine.messages import EngineRequest, StreamBatch, TokenBatch
 from engine.tiny_model import ensure_tiny_model
 from router.api import pdserve_pb2 as pb
 from router.chat_encoder import SessionChatEncoder
@@ -24,7 +24,7 @@ from router.metrics import RouterMetrics
 from router.openai_http import HttpServer, build_app
 from router.orchestrator import Orchestrator
 from router.output_parser import OutputParsers
-from router.policy.selector import PdservePolicy, PdservePolicyConfig
+from router.policy.selector import PdservePolicy
 from router.routing import RequestRouter
 from router.server import PdserveService, start_grpc_server
 from router.tokenizer import PromptTokenizer
@@ -130,11 +130,14 @@ def endpoint(
             limits=ModelLimits(served_name="tiny-llama", max_model_len=2048, vocab_size=tokenizer.vocab_size),
             block_size=32,
             orchestrator=Orchestrator(
-                None, _Decode(tokenizer, output, [] if seen is None else seen), block_size=32
+                None,
+                _Decode(tokenizer, output, [] if seen is None else seen),
+                block_size=32,
+                stream=StreamBatch(tokens=16, ms=20.0),
             ),
             router=RequestRouter(
                 view=ClusterView(_Registry(), block_size=32),
-                policy=PdservePolicy(PdservePolicyConfig()),
+                policy=PdservePolicy(),
                 block_size=32,
                 has_prefill_pool=False,
                 overload_queue_tokens=65536,

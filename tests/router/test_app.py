@@ -1,30 +1,66 @@
-"""The router process takes its routing policy from the topology's router section."""
+"""The router process routes with the topology's router section and follows a new one in place."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
+import pytest
 
-from cluster.topology import Topology, parse_topology
-from router.app import policy_config
-from router.policy.cost import CostWeights
-from router.policy.selector import PdservePolicyConfig
-
-
-def test_every_policy_field_of_the_router_section_reaches_the_policy() -> None:
-    router = parse_topology(
-        "router: {local_prefill_max_tokens: 64, session_affinity: false, balance_weight: 0.1, "
-        "churn_weight: 0, prefill_weight: 20, long_stall_weight: 5, long_local_prefill: false, "
-        "prefill_overflow_queue_s: null}"
-    ).router
-    cfg = policy_config(router)
-    assert (cfg.local_prefill_max_tokens, cfg.session_affinity) == (64, False)
-    assert (cfg.balance_weight, cfg.churn_weight) == (0.1, 0.0)
-    assert (cfg.weights.prefill, cfg.weights.long_stall) == (20.0, 5.0)
-    assert (cfg.long_local_prefill, cfg.prefill_overflow_queue_s) == (False, None)
-    # The cost's other weights and its timing model stay the policy's own.
-    assert msgspec.structs.replace(cfg.weights, prefill=5.0, long_stall=20.0) == CostWeights()
+from cluster.topology import Topology, parse_topology, served_model
+from engine.messages import StreamBatch
+from engine.tiny_model import ensure_tiny_model
+from router import app
+from router.app import RouterProcess
+from router.config import RouterConfig
 
 
-def test_a_default_topology_routes_with_the_policys_defaults_but_the_tiny_models_threshold() -> None:
-    # local_prefill_max_tokens: 256 for the tiny model's 2048-token context, 1024 in the policy (H200).
-    assert policy_config(Topology().router) == PdservePolicyConfig(local_prefill_max_tokens=256)
+class _Handle:
+    """Stands in for a Serve deployment handle (nothing is called in these tests)."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise AssertionError(f"unexpected call {name}")
+
+
+@pytest.fixture
+def process(monkeypatch: pytest.MonkeyPatch) -> RouterProcess:
+    monkeypatch.setattr(app.serve, "get_deployment_handle", lambda *a, **k: _Handle())
+    topo = parse_topology("router: {local_prefill_max_tokens: 64, stream_batch_tokens: 4}")
+    return RouterProcess(
+        served_model(topo.model),
+        topo.router,
+        topo.server,
+        model_dir=ensure_tiny_model(),
+        app_name="pdserve",
+        has_prefill=True,
+    )
+
+
+def test_the_router_section_reaches_the_policy_and_the_request_path(process: RouterProcess) -> None:
+    assert process.policy.config.local_prefill_max_tokens == 64
+    assert process.orchestrator.stream == StreamBatch(tokens=4, ms=20.0)
+    assert process.view.load.timing == Topology().router.service_time.timing()
+
+
+def test_every_router_setting_applies_in_place(process: RouterProcess) -> None:
+    # A session placed before the change keeps its state: nothing restarts.
+    process.policy._remember("s", None, "d0", None)
+    changed = msgspec.convert(
+        {
+            "mode": "disaggregate",
+            "prefill_weight": 9,
+            "overload_queue_tokens": 10,
+            "stream_batch_tokens": 2,
+            "stream_batch_ms": 5,
+            "failover_attempts": 0,
+            "service_time": {"gpus_per_replica": 4},
+        },
+        RouterConfig,
+    )
+    process.reconfigure(changed)
+    assert process.policy.config == changed and process.policy.weights.prefill == 9.0
+    assert process.view.load.timing == changed.service_time.timing()
+    assert process.router._limit == 10
+    assert process.orchestrator.stream == StreamBatch(tokens=2, ms=5.0)
+    assert process.service.failover_attempts == 0
+    assert "s" in process.policy._sessions

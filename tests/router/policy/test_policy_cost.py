@@ -5,9 +5,10 @@ import msgspec
 import pytest
 from policy_helpers import BS, view
 
-from router.policy.cost import CostWeights, cached_tokens, cost, estimated_prefill_s, queued_s
+from router.config import RouterConfig
+from router.policy.cost import CostWeights, cached_tokens, cost, estimated_prefill_s, queue_term
 
-W = CostWeights()
+W = CostWeights.of(RouterConfig())
 T = W.timing
 
 
@@ -24,13 +25,12 @@ def test_terms_are_the_service_time_models_seconds_and_add_up() -> None:
     d = view("d", "decode", active=3, kv=0.5, node="n2")
     d = msgspec.structs.replace(d, active_context_tokens=30_000)
     t = cost(W, 1000, 64, p, 200, d, 600)
-    assert (t.uncached_prefill_tokens, t.transfer_tokens) == (800, 400)
-    assert t.prefill_s == pytest.approx(W.prefill * T.prefill_s(800, 200))
-    assert t.queue_s == pytest.approx(1.5)
-    assert t.transfer_s == pytest.approx(T.transfer_s(400))
-    assert t.decode_s == pytest.approx(64 * T.tpot_s(4, 31_000) + 0.5 * W.kv_full_s)
-    assert t.stall_s == 0.0  # a prefill replica computes it: no decode batch waits
-    assert t.total == pytest.approx(t.prefill_s + t.queue_s + t.transfer_s + t.decode_s)
+    assert t.prefill == pytest.approx(W.prefill * T.prefill_s(800, 200))
+    assert t.queue == pytest.approx(1.5)
+    assert t.transfer == pytest.approx(T.transfer_s(400))
+    assert t.decode == pytest.approx(64 * T.tpot_s(4, 31_000) + 0.5 * W.kv_full_s)
+    assert t.stall == 0.0  # a prefill replica computes it: no decode batch waits
+    assert t.total == pytest.approx(t.prefill + t.queue + t.transfer + t.decode)
 
 
 def test_a_cached_long_context_saves_more_than_its_token_count_suggests() -> None:
@@ -46,72 +46,86 @@ def test_each_weight_scales_its_own_term() -> None:
     p = msgspec.structs.replace(view("p", queued=100), queued_prefill_s=2.0)
     d = view("d", "decode", active=2, kv=0.25)
     base = cost(W, 4096, 100, p, 0, d, 0)
-    for field, term in [("prefill", "prefill_s"), ("queue", "queue_s"), ("transfer", "transfer_s")]:
+    for field, term in [("prefill", "prefill"), ("queue", "queue"), ("transfer", "transfer")]:
         doubled = cost(msgspec.structs.replace(W, **{field: 2 * getattr(W, field)}), 4096, 100, p, 0, d, 0)
         assert getattr(doubled, term) == pytest.approx(2 * getattr(base, term)), field
         assert doubled.total == pytest.approx(base.total + getattr(base, term)), field
     heavier_kv = cost(msgspec.structs.replace(W, kv_full_s=10.0), 4096, 100, p, 0, d, 0)
-    assert heavier_kv.decode_s == pytest.approx(base.decode_s + 0.25 * 8.0)
+    assert heavier_kv.decode == pytest.approx(base.decode + 0.25 * 8.0)
 
 
 def test_decode_term_grows_with_batch_context_and_kv_usage() -> None:
     p = view("p")
-    idle = cost(W, 4096, 100, p, 0, view("d", "decode"), 0).decode_s
-    busy = cost(W, 4096, 100, p, 0, view("d", "decode", active=20), 0).decode_s
-    full = cost(W, 4096, 100, p, 0, view("d", "decode", kv=0.9), 0).decode_s
+    idle = cost(W, 4096, 100, p, 0, view("d", "decode"), 0).decode
+    busy = cost(W, 4096, 100, p, 0, view("d", "decode", active=20), 0).decode
+    full = cost(W, 4096, 100, p, 0, view("d", "decode", kv=0.9), 0).decode
     long_ctx = msgspec.structs.replace(view("d", "decode"), active_context_tokens=500_000)
-    assert busy > idle and full > idle and cost(W, 4096, 100, p, 0, long_ctx, 0).decode_s > idle
+    assert busy > idle and full > idle and cost(W, 4096, 100, p, 0, long_ctx, 0).decode > idle
     # The reply length counts up to max_output_tokens only.
     capped = msgspec.structs.replace(W, max_output_tokens=10)
-    assert cost(capped, 4096, 100, p, 0, view("d", "decode"), 0).decode_s == pytest.approx(
+    assert cost(capped, 4096, 100, p, 0, view("d", "decode"), 0).decode == pytest.approx(
         10 * T.tpot_s(1, 4096)
     )
 
 
 def test_queue_without_an_estimate_is_costed_from_its_counts() -> None:
     counted = view("p", queued=8000, reqs=2)
-    assert queued_s(W, counted) == pytest.approx(2 * T.prefill_s(4000, 0))
-    assert queued_s(W, view("p")) == 0.0
-    assert queued_s(W, msgspec.structs.replace(counted, queued_prefill_s=0.25)) == 0.25
+    assert queue_term(W, counted) == pytest.approx(2 * T.prefill_s(4000, 0))
+    assert queue_term(W, view("p")) == 0.0
+    assert queue_term(W, msgspec.structs.replace(counted, queued_prefill_s=0.25)) == 0.25
 
 
 def test_same_node_transfer_is_cheaper_and_local_prefill_transfers_nothing() -> None:
     d = view("d", "decode", node="n1")
     cross = cost(W, 100_000, 1, view("p", node="n2"), 0, d, 0)
     near = cost(W, 100_000, 1, view("p", node="n1"), 0, d, 0)
-    assert near.transfer_s < cross.transfer_s
+    assert near.transfer < cross.transfer
     local = cost(W, 1000, 1, d, 900, d, 900)
-    assert local.transfer_tokens == 0 and local.transfer_s == 0 and local.uncached_prefill_tokens == 100
+    assert local.transfer == 0
 
 
-def test_weights_are_validated_with_field_names() -> None:
-    with pytest.raises(msgspec.ValidationError, match="transfer"):
-        msgspec.convert({"transfer": -1}, CostWeights)
+def test_router_settings_are_validated_with_field_paths() -> None:
+    with pytest.raises(msgspec.ValidationError, match=r"\$\.prefill_weight"):
+        msgspec.convert({"prefill_weight": -1}, RouterConfig)
     with pytest.raises(msgspec.ValidationError, match="bogus"):
-        msgspec.convert({"bogus": 1}, CostWeights)
-    with pytest.raises(msgspec.ValidationError, match=r"timing\.link_bytes_per_s"):
-        msgspec.convert({"timing": {"link_bytes_per_s": 0}}, CostWeights)
+        msgspec.convert({"bogus": 1}, RouterConfig)
+    with pytest.raises(msgspec.ValidationError, match=r"\$\.service_time\.model\.layers"):
+        msgspec.convert({"service_time": {"model": {"layers": 0}}}, RouterConfig)
+    with pytest.raises(msgspec.ValidationError, match=r"\$\.service_time\.hardware"):
+        msgspec.convert({"service_time": {"hardware": "tpu"}}, RouterConfig)
+
+
+def test_the_service_time_comes_from_the_configured_model_shape_and_hardware() -> None:
+    # The default: DeepSeek-V3 on 8 H200s, rates measured (router/policy/hardware/h200.json).
+    assert RouterConfig().service_time.timing() == T
+    half = msgspec.convert({"service_time": {"gpus_per_replica": 4}}, RouterConfig).service_time.timing()
+    assert half.prefill_s(8000, 0) > T.prefill_s(8000, 0)
+    small = {
+        "service_time": {"model": {"active_params": 3.7e9, "total_params": 67.1e9, "dense_params": 1.7e9}}
+    }
+    lighter = msgspec.convert(small, RouterConfig).service_time.timing()
+    assert lighter.prefill_s(8000, 0) < T.prefill_s(8000, 0) and lighter.tpot_s(8, 0) < T.tpot_s(8, 0)
 
 
 def test_a_local_prefill_charges_its_seconds_once_per_sequence_in_the_decode_batch() -> None:
     # While the decode replica computes the prompt, its batch (3 running + the next admitted) waits.
     d = view("d", "decode", active=3)
     t = cost(W, 8000, 1, d, 4000, d, 4000)
-    assert t.stall_s == pytest.approx(W.stall * T.prefill_s(4000, 4000) * 4)
-    assert t.total == pytest.approx(t.prefill_s + t.queue_s + t.decode_s + t.stall_s)
+    assert t.stall == pytest.approx(W.stall * T.prefill_s(4000, 4000) * 4)
+    assert t.total == pytest.approx(t.prefill + t.queue + t.decode + t.stall)
     idle = view("d", "decode")
-    assert cost(W, 8000, 1, idle, 4000, idle, 4000).stall_s == pytest.approx(t.stall_s / 4)
+    assert cost(W, 8000, 1, idle, 4000, idle, 4000).stall == pytest.approx(t.stall / 4)
     off = msgspec.structs.replace(W, stall=0.0)
-    assert cost(off, 8000, 1, d, 4000, d, 4000).stall_s == 0.0
+    assert cost(off, 8000, 1, d, 4000, d, 4000).stall == 0.0
 
 
 def test_a_long_local_prefill_weighs_its_batchs_wait_with_its_own_weight() -> None:
     d = view("d", "decode", active=3)
-    short = cost(W, 8000, 1, d, 4000, d, 4000).stall_s
+    short = cost(W, 8000, 1, d, 4000, d, 4000).stall
     long = cost(W, 8000, 1, d, 4000, d, 4000, long_stall=True)
-    assert long.stall_s == pytest.approx(W.long_stall * T.prefill_s(4000, 4000) * 4)
-    assert long.stall_s == pytest.approx(short * W.long_stall / W.stall)
-    assert long.total == pytest.approx(long.prefill_s + long.queue_s + long.decode_s + long.stall_s)
+    assert long.stall == pytest.approx(W.long_stall * T.prefill_s(4000, 4000) * 4)
+    assert long.stall == pytest.approx(short * W.long_stall / W.stall)
+    assert long.total == pytest.approx(long.prefill + long.queue + long.decode + long.stall)
     # Only a local prefill stalls a decode batch.
     p = view("p")
-    assert cost(W, 8000, 1, p, 4000, d, 4000, long_stall=True).stall_s == 0.0
+    assert cost(W, 8000, 1, p, 4000, d, 4000, long_stall=True).stall == 0.0

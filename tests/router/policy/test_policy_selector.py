@@ -7,9 +7,12 @@ import pytest
 from policy_helpers import BS, FixedLookup, request, view
 
 from router.block_hash import hash_blocks
+from router.config import RouterConfig
 from router.kv_index import KvIndex
-from router.policy.cost import CostWeights, cost
-from router.policy.selector import PdservePolicy, PdservePolicyConfig
+from router.policy.options import Balance, Prompt, Scorer, every_option
+from router.policy.pull import offer
+from router.policy.recent_work import TIE_TOLERANCE_S
+from router.policy.selector import PdservePolicy
 from router.policy.types import NoReplicaError, Readback, ReplicaView, RouteRequest
 
 N = 4096  # prompt tokens (256 blocks)
@@ -67,8 +70,11 @@ def test_transfer_term_prefers_a_prefill_replica_on_the_decode_node() -> None:
 @pytest.mark.parametrize("held_blocks, local", [(256 - 32, True), (256 - 33, False)])
 def test_local_prefill_threshold_edges(held_blocks: int, local: bool) -> None:
     # Threshold 512 tokens = 32 blocks; with all 256 blocks of a 4096-token prompt held, 16 tokens remain.
-    pol = PdservePolicy(PdservePolicyConfig(local_prefill_max_tokens=512, long_local_prefill=False))
-    d = choose([view("p0")], [view("d0", "decode")], {"d0": held_blocks}, policy=pol)
+    # (p0 holds the prefix too: past the threshold, its hop costs what d0's local prefill would without
+    # stalling d0's batch.)
+    pol = PdservePolicy(RouterConfig(local_prefill_max_tokens=512))
+    held = {"d0": held_blocks, "p0": held_blocks}
+    d = choose([view("p0")], [view("d0", "decode")], held, policy=pol)
     assert d.local_prefill is local
     if local:
         assert (
@@ -80,9 +86,14 @@ def test_local_prefill_threshold_edges(held_blocks: int, local: bool) -> None:
         assert d.prefill == "p0"
 
 
-def test_local_prefill_disabled_with_zero_threshold_except_fully_cached() -> None:
-    pol = PdservePolicy(PdservePolicyConfig(local_prefill_max_tokens=0, long_local_prefill=False))
-    assert not choose([view("p0")], [view("d0", "decode")], {"d0": 200}, policy=pol).local_prefill
+def test_mode_disaggregate_always_prefills_on_a_prefill_replica_while_one_is_eligible() -> None:
+    pol = PdservePolicy(RouterConfig(mode="disaggregate"))
+    for held in (200, 255):  # 200: past the threshold; 255: all but the last block (short)
+        assert choose([view("p0")], [view("d0", "decode")], {"d0": held}, policy=pol).prefill == "p0"
+    backed_up = [queued(view("p0"), 60.0)]  # no prefill overflow either
+    assert choose(backed_up, [view("d0", "decode")], {"d0": 255}, policy=pol).prefill == "p0"
+    d = choose([view("p0", ready=False)], [view("d0", "decode")], {"d0": 200}, policy=pol)
+    assert d.local_prefill and d.reason == "no_prefill_replica"
 
 
 def test_a_decode_replica_holding_a_long_context_prefills_a_long_suffix_when_the_hop_costs_more() -> None:
@@ -97,8 +108,8 @@ def test_a_decode_replica_holding_a_long_context_prefills_a_long_suffix_when_the
     # A busy batch: 30 sequences would each wait the prefill; the hop is cheaper.
     busy = [view("d0", "decode", active=30)]
     assert choose([view("p0")], busy, held, n=n).prefill == "p0"
-    # Off: past the threshold only the hop (outside prefill overflow).
-    off = PdservePolicy(PdservePolicyConfig(long_local_prefill=False))
+    # Mode disaggregate: only the hop.
+    off = PdservePolicy(RouterConfig(mode="disaggregate"))
     assert choose([view("p0")], [view("d0", "decode")], held, n=n, policy=off).prefill == "p0"
 
 
@@ -115,7 +126,7 @@ def test_prefill_overflow_charges_a_long_local_prefill_as_a_short_one() -> None:
     # One prefill replica below the threshold: the prompt goes there.
     one_free = [queued(view("p0"), 12.0), queued(view("p1"), 9.0)]
     assert choose(one_free, decs, held, n=n).prefill == "p1"
-    off = PdservePolicy(PdservePolicyConfig(prefill_overflow_queue_s=None))
+    off = PdservePolicy(RouterConfig(prefill_overflow_queue_s=None))
     assert choose(backed_up, decs, held, n=n, policy=off).prefill == "p0"
 
 
@@ -173,7 +184,7 @@ def test_session_escapes_an_overloaded_decode_replica(busy) -> None:  # type: ig
 
 
 def test_affinity_can_be_disabled() -> None:
-    pol = PdservePolicy(PdservePolicyConfig(session_affinity=False))
+    pol = PdservePolicy(RouterConfig(session_affinity=False))
     choose([view("p0")], [view("d0", "decode"), view("d1", "decode")], {"d1": 1}, session="s", policy=pol)
     assert (
         choose(
@@ -185,7 +196,8 @@ def test_affinity_can_be_disabled() -> None:
 
 def test_cost_weights_change_the_tradeoff() -> None:
     # With transfer made very expensive, the decode replica holding the prefix wins despite its load.
-    heavy = PdservePolicy(PdservePolicyConfig(weights=CostWeights(transfer=10_000.0)))
+    heavy = PdservePolicy()
+    heavy.weights = msgspec.structs.replace(heavy.weights, transfer=10_000.0)
     decs = [view("d0", "decode", active=15), view("d1", "decode")]
     assert choose([view("p0")], decs, {"d0": 200}, policy=heavy).decode == "d0"
     assert choose([view("p0")], decs, {"d0": 200}).decode == "d1"
@@ -198,9 +210,9 @@ def test_prefill_weight_trades_a_queue_against_a_miss() -> None:
     n = 64 * 1024
     pres = [queued(view("p0"), 6.0), view("p1")]
     hit = {"p0": n // BS - 1}
-    neutral = PdservePolicy(PdservePolicyConfig(weights=CostWeights(prefill=1.0)))
+    neutral = PdservePolicy(RouterConfig(prefill_weight=1.0))
     assert choose(pres, [view("d0", "decode")], hit, n=n, policy=neutral).prefill == "p1"
-    heavy = PdservePolicy(PdservePolicyConfig(weights=CostWeights(prefill=3.0)))
+    heavy = PdservePolicy(RouterConfig(prefill_weight=3.0))
     assert choose(pres, [view("d0", "decode")], hit, n=n, policy=heavy).prefill == "p0"
 
 
@@ -219,9 +231,8 @@ def test_ties_go_to_the_replica_with_the_least_recent_work() -> None:
 
 
 def test_a_cost_difference_beyond_the_tolerance_beats_recent_work() -> None:
-    cfg = PdservePolicyConfig(
-        tie_tolerance_s=0.05, tie_tolerance_rel=0.0, balance_weight=0.0, churn_weight=0.0
-    )
+    assert TIE_TOLERANCE_S == 0.05
+    cfg = RouterConfig(balance_weight=0.0, churn_weight=0.0)
     pol = PdservePolicy(cfg)
     pres = [view("p0"), view("p1")]
     assert choose(pres, [view("d0", "decode")], policy=pol).prefill == "p0"  # p0 now has recent work
@@ -232,35 +243,24 @@ def test_a_cost_difference_beyond_the_tolerance_beats_recent_work() -> None:
     assert choose([view("p0"), queued(view("p1"), 0.06)], [view("d0", "decode")], policy=pol).prefill == "p0"
 
 
-def test_relative_tolerance_scales_with_the_jobs_own_prefill_time() -> None:
-    # A 128k-token cold prompt takes ~19 s: a 1 s queue difference is a tie at 10%, not at 1%.
-    n = 128 * 1024
-    for rel, expected in [(0.1, "p1"), (0.01, "p0")]:
-        cfg = PdservePolicyConfig(tie_tolerance_rel=rel, balance_weight=0.0, churn_weight=0.0)
-        pol = PdservePolicy(cfg)
-        choose([view("p0"), view("p1")], [view("d0", "decode")], n=n, policy=pol)  # p0 gets recent work
-        pres = [view("p0"), queued(view("p1"), 1.0)]
-        assert choose(pres, [view("d0", "decode")], n=n, policy=pol).prefill == expected, rel
-
-
 def test_balance_term_charges_recent_work_above_the_pool_mean() -> None:
     # p0 got a 128k-token cold prompt (~19 s); now p0 holds 1k tokens of a 4k prompt, a hit worth ~0.12
     # weighted s. Without the balance term the hit wins; with it, p0's ~9 s above the mean costs ~0.9 s.
     pres = [view("p0"), view("p1")]
     for weight, expected in [(0.0, "p0"), (0.1, "p1")]:
-        pol = PdservePolicy(PdservePolicyConfig(balance_weight=weight, churn_weight=0.0))
+        pol = PdservePolicy(RouterConfig(balance_weight=weight, churn_weight=0.0))
         assert choose(pres, [view("d0", "decode")], n=128 * 1024, policy=pol).prefill == "p0"
         assert choose(pres, [view("d0", "decode")], {"p0": 64}, policy=pol).prefill == expected, weight
     # A session's big cached context (64k tokens, ~26 weighted s) outweighs the imbalance: the balance moves
     # cheap work, not sessions whose move would recompute a long context.
-    pol = PdservePolicy(PdservePolicyConfig(balance_weight=0.1, churn_weight=0.0))
+    pol = PdservePolicy(RouterConfig(balance_weight=0.1, churn_weight=0.0))
     choose(pres, [view("d0", "decode")], n=128 * 1024, policy=pol)
     assert choose(pres, [view("d0", "decode")], {"p0": 4000}, n=64_000, policy=pol).prefill == "p0"
 
 
 def test_churn_term_charges_recent_tokens_computed_not_seconds() -> None:
     pres, dec = [view("p0"), view("p1")], [view("d0", "decode")]
-    cfg = PdservePolicyConfig(balance_weight=0.0, churn_weight=0.5)
+    cfg = RouterConfig(balance_weight=0.0, churn_weight=0.5)
     # p0 computed a cold 128k-token prompt: 128k tokens written into its cache. A 4k prompt whose 1k-token
     # hit sits on p0 goes to p1; without the term it stays.
     for churn, expected in [(0.5, "p1"), (0.0, "p0")]:
@@ -276,21 +276,19 @@ def test_churn_term_charges_recent_tokens_computed_not_seconds() -> None:
     assert choose(pres, dec, {"p0": 64}, policy=pol).prefill == "p0"
 
 
-def test_the_pair_search_finds_the_cost_formulas_optimum() -> None:
-    # O(|P| + |D|) search == brute force over every (P, D) pair and local prefill, with ties disabled.
+def test_the_pair_search_finds_the_optimum_of_every_option() -> None:
+    # The selector's O(|P| + |D|) search == the best of every (P, D) pair and offered local prefill, with
+    # every feature on: pulls (readback and exports), balance and churn charges, overflow, both modes.
     rng = random.Random(7)
-    w = CostWeights()
     n = 8192
-    for _ in range(200):
-        overflow = rng.choice([None, 1.0])  # prefill queues are drawn from 0-2 s: sometimes all above 1 s
-        long_local = rng.random() < 0.5
-        cfg = PdservePolicyConfig(
-            tie_tolerance_s=0.0,
-            tie_tolerance_rel=0.0,
+    for _ in range(300):
+        cfg = RouterConfig(
+            mode=rng.choice(["auto", "disaggregate"]),
             session_affinity=False,
-            long_local_prefill=long_local,
-            prefill_overflow_queue_s=overflow,
+            local_prefill_max_tokens=rng.choice([0, 512, 1024]),
+            prefill_overflow_queue_s=rng.choice([None, 1.0]),  # queues are drawn from 0-2 s
         )
+        pol = PdservePolicy(cfg)
         pres = [
             queued(view(f"p{i}", node=f"n{rng.randrange(3)}"), rng.uniform(0, 2))
             for i in range(rng.randint(1, 5))
@@ -299,24 +297,34 @@ def test_the_pair_search_finds_the_cost_formulas_optimum() -> None:
             view(f"d{i}", "decode", active=rng.randrange(30), kv=rng.random(), node=f"n{rng.randrange(3)}")
             for i in range(rng.randint(1, 5))
         ]
+        for p in pres:  # earlier work, so that the balance and churn charges differ
+            pol.recent.add(p.replica_id, rng.uniform(0, 3))
+            pol.recent_tokens.add(p.replica_id, rng.uniform(0, 3))
         blocks = {r.replica_id: rng.choice([0, 100, 300, 511, 512]) for r in (*pres, *decs)}
-        got = choose(pres, decs, blocks, n=n, policy=PdservePolicy(cfg))
-        c = {rid: min(b * BS, n - BS) for rid, b in blocks.items()}
-        backed_up = overflow is not None and all(p.queued_prefill_s >= overflow for p in pres)  # type: ignore[operator]
-        options: list[tuple[float, str | None, str]] = []
-        for d in decs:
-            within = n - c[d.replica_id] <= cfg.local_prefill_max_tokens
-            if within or backed_up or long_local:
-                long = not (within or backed_up)
-                t = cost(w, n, 64, d, c[d.replica_id], d, c[d.replica_id], long_stall=long).total
-                options.append((t, None, d.replica_id))
-            if not within:
-                for p in pres:
-                    t = cost(w, n, 64, p, c[p.replica_id], d, c[d.replica_id]).total
-                    options.append((t, p.replica_id, d.replica_id))
-        best = min(o[0] for o in options)
-        assert got.cost == pytest.approx(best)
-        assert (got.prefill, got.decode) in {(o[1], o[2]) for o in options if o[0] == pytest.approx(best)}
+        req = msgspec.structs.replace(
+            request(n),
+            readback=Readback(rng.choice(decs).replica_id, rng.choice([0, 4000, 8000]), rng.uniform(0, 3))
+            if rng.random() < 0.5
+            else None,
+            export_ttl_s=rng.uniform(0, 3) if rng.random() < 0.5 else None,
+        )
+        matched = FixedLookup(blocks).matched_blocks(req.block_hashes, blocks)
+        prompt = Prompt(tokens=n, max_tokens=req.max_tokens, block_size=BS, matched=matched)
+        balance = Balance(pol.recent, pol.recent_tokens, cfg.balance_weight, cfg.churn_weight)
+        scorer = Scorer(pol.weights, prompt, offer(req, decs, decs, matched, prompt.most))
+        every = every_option(cfg, scorer, pres, decs, balance)
+        got = pol.choose(req, pres, decs, FixedLookup(blocks))
+        best = min(o.total for o in every)
+        assert best <= got.cost <= best + TIE_TOLERANCE_S
+        chosen = [
+            o
+            for o in every
+            if o.total == got.cost
+            and o.decode.replica_id == got.decode
+            and (None if o.local else o.computing.replica_id) == got.prefill
+        ]
+        assert chosen and got.terms == chosen[0].terms
+        assert got.readback_tokens == chosen[0].pulled
 
 
 def test_resumed_prefix_lookup_gives_the_same_decisions_as_full_lookups() -> None:
@@ -435,7 +443,7 @@ def test_an_export_is_only_counted_on_when_the_prefill_starts_before_it_expires(
     pres = [queued(view("p0"), 30.0)]
     decs = [view("d0", "decode")]
     lookup = FixedLookup({"d0": 3000})
-    pol = PdservePolicy(PdservePolicyConfig(prefill_overflow_queue_s=None))  # p0's queue would overflow
+    pol = PdservePolicy(RouterConfig(prefill_overflow_queue_s=None))  # p0's queue would overflow
     assert pol.choose(export_request(60.0, n=64_000), pres, decs, lookup).readback_tokens > 0
     late = pol.choose(export_request(20.0, n=64_000), pres, decs, lookup)
     assert late.readback_tokens == 0 and not late.readback_export

@@ -1,0 +1,91 @@
+"""The router's settings: defined here once, embedded as the topology's `router` section, read by the live
+router and by the trace replay (`pdserve replay --topology FILE`).
+
+Every field applies to a running router in place (`pdserve apply`: the router follows the deployed topology,
+`router.app.RouterProcess.reconfigure`); none restarts an engine. What each routing setting does is in
+docs/routing.md, with the replay measurements its default came from.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+from router.policy.service_time import ServiceTime
+
+NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0)]
+Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
+
+# auto: each request takes the option of lowest cost: disaggregated (prefill replica, KV moved to decode) or
+# prefilled on the decode replica that holds its context. disaggregate: always prefill on a prefill replica
+# (a decode replica prefills only when no prefill replica can).
+RouterMode = Literal["auto", "disaggregate"]
+
+
+class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    mode: RouterMode = "auto"
+    # An uncached suffix at most this long is prefilled by the decode replica holding the rest (no KV move);
+    # a longer one only when that costs less than the prefill hop, its batch's wait weighted
+    # long_stall_weight (the H200 example's value; the replay evaluates it).
+    local_prefill_max_tokens: NonNegativeInt = 1024
+    # With every prefill replica this many estimated seconds behind, a decode replica's long prefill is
+    # charged as a short one's (decode absorbs prefill overflow); null: never.
+    prefill_overflow_queue_s: NonNegativeFloat | None = 10.0
+    # A cache miss is charged prefill_weight x its own prefill seconds (higher: more hits, less balance); a
+    # long local prefill long_stall_weight x its batch's wait (lower: more hits and lower TTFT, higher
+    # decode TPOT). Replay your traffic to choose them (`pdserve replay --topology FILE`).
+    prefill_weight: NonNegativeFloat = 5.0
+    long_stall_weight: NonNegativeFloat = 20.0
+    # Prefill balance: charges for recent compute seconds and for recent tokens computed (cache churn)
+    # above the prefill pool's mean.
+    balance_weight: NonNegativeFloat = 0.2
+    churn_weight: NonNegativeFloat = 0.5
+    # A session's next turn goes to the decode replica holding its KV while that replica is not overloaded.
+    session_affinity: bool = True
+    # Sessions the router keeps state for (placement, token history, block hashes, pins); least recent out.
+    max_sessions: PositiveInt = 100_000
+    # With KV readback on (the topology's pools.kv_readback_ttl_s): a prefill may also pull a prefix any
+    # decode replica holds in its prefix cache (that replica pins it first), not only a session's pinned turn.
+    kv_readback_exports: bool = True
+    overload_queue_tokens: PositiveInt = 65536  # queued prompt tokens beyond which requests are refused
+    stream_batch_tokens: PositiveInt = 16  # tokens per streamed message ...
+    stream_batch_ms: PositiveFloat = 20.0  # ... or this long, whichever comes first
+    # A request whose replica fails continues on another (the tokens streamed so far appended to its
+    # prompt); after this many such moves the client gets UNAVAILABLE.
+    failover_attempts: NonNegativeInt = 3
+    # What one replica is (hardware, GPUs, model shape): the cost's seconds are estimated for it.
+    service_time: ServiceTime = msgspec.field(default_factory=ServiceTime)
+
+
+class TlsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    cert_file: str
+    key_file: str
+
+
+class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The topology's `server`: where the router listens (read once: changing it restarts pdserve)."""
+
+    grpc_host: str = "127.0.0.1"
+    grpc_port: Port = 50051
+    # The OpenAI-compatible HTTP door (router/openai_http.py): off unless a port is set. Same TLS and token.
+    http_host: str = "127.0.0.1"
+    http_port: Port | None = None
+    metrics_host: str = "127.0.0.1"
+    metrics_port: Port = 9400
+    tls: TlsConfig | None = None
+    auth_token_env: str | None = None  # the NAME of an env var holding the token, never the token itself
+
+
+class ServedModel(msgspec.Struct, frozen=True, kw_only=True):
+    """What the router needs of the model it serves (the cluster fills it from the topology's `model`)."""
+
+    name: str
+    block_size: int
+    max_model_len: int
+    trust_remote_code: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None

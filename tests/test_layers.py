@@ -1,0 +1,120 @@
+"""The packages are layers that import one way, with no import circle between modules, and modules stay
+small enough to read top to bottom.
+
+    bench    measures everything below (may import any package)
+    cluster  the CLI, topology, Serve application: composes what is below
+    router   the request path in front of the engines
+    prefill, decode   the two engine roles
+    engine   one vLLM engine on a replica, and the messages every process shares
+
+A lower layer never imports a higher one (lazy imports inside functions count too): the production CLI does
+not depend on the benchmarks (they add `pdserve replay` through an entry point), the router runs without the
+cluster's topology, an engine replica without the cluster's registry.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("engine", "prefill", "decode", "router", "cluster", "bench")
+# What each package may import, besides itself.
+ALLOWED = {
+    "engine": set(),
+    "prefill": {"engine"},
+    "decode": {"engine"},
+    "router": {"engine"},
+    "cluster": {"engine", "prefill", "decode", "router"},
+    "bench": {"engine", "prefill", "decode", "router", "cluster"},
+}
+GENERATED = {"router/api/pdserve_pb2.py", "router/api/pdserve_pb2_grpc.py"}
+MAX_LINES = 400
+# Modules above MAX_LINES, each with why it is one module.
+LONG_MODULES = {
+    "cluster/topology.py": "the topology's sections and their checks, one schema",
+    "router/openai_http.py": "the OpenAI HTTP surface: each endpoint's request translation and responses",
+    "bench/replay/sim.py": "the replay's event loop: one simulator whose handlers share its state",
+    "router/server.py": "the gRPC service: each RPC's validation, streaming and terminal status",
+    "engine/host.py": "the vLLM engine host's primitives: start, prefill, generate, export, release, stop",
+    "router/client.py": "the gRPC client library: every call and its request/response mapping",
+    "engine/tiny_model.py": "the built-in model, built offline: config, weights and tokenizer in one place",
+    "router/orchestrator.py": "one request's legs (prefill, export, decode), failover and KV release",
+    "cluster/cli.py": "the `pdserve` commands: one parser, one function per command",
+}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for pkg in PACKAGES:
+        for path in sorted((REPO / pkg).rglob("*.py")):
+            rel = path.relative_to(REPO).as_posix()
+            name = rel[: -len(".py")].replace("/", ".").removesuffix(".__init__")
+            out[name] = path
+    return out
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module `path` imports (absolute names within the project's packages), at any depth."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found |= {f"{node.module}.{a.name}" for a in node.names}
+    return {m for m in found if m.split(".")[0] in PACKAGES}
+
+
+MODULES = _modules()
+GRAPH = {name: {m for m in _imports(path) if m in MODULES and m != name} for name, path in MODULES.items()}
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_no_package_imports_a_layer_above_it(package: str) -> None:
+    wrong = sorted(
+        f"{name} imports {dep}"
+        for name, deps in GRAPH.items()
+        if name.split(".")[0] == package
+        for dep in deps
+        if dep.split(".")[0] not in ALLOWED[package] | {package}
+    )
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_import_circle_between_modules() -> None:
+    # A package's __init__ is not an edge: importing `a.b` runs `a/__init__`, which imports nothing here.
+    graph = {n: {d for d in deps if MODULES[d].name != "__init__.py"} for n, deps in GRAPH.items()}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(n: str) -> list[str] | None:
+        state[n] = 1
+        path.append(n)
+        for d in sorted(graph[n]):
+            if state.get(d) == 1:
+                return [*path[path.index(d) :], d]
+            if d not in state and (circle := visit(d)):
+                return circle
+        path.pop()
+        state[n] = 2
+        return None
+
+    for n in sorted(graph):
+        if n not in state and (circle := visit(n)):
+            pytest.fail("import circle: " + " -> ".join(circle))
+
+
+def test_modules_stay_readable_or_say_why_not() -> None:
+    long = {}
+    for path in MODULES.values():
+        rel = path.relative_to(REPO).as_posix()
+        lines = len(path.read_text().splitlines())
+        if rel not in GENERATED and lines > MAX_LINES:
+            long[rel] = lines
+    unexplained = sorted(f"{rel} ({n} lines)" for rel, n in long.items() if rel not in LONG_MODULES)
+    assert not unexplained, f"over {MAX_LINES} lines without a stated reason: {unexplained}"
+    stale = sorted(rel for rel in LONG_MODULES if rel not in long)
+    assert not stale, f"no longer long, remove from LONG_MODULES: {stale}"
