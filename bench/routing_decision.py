@@ -30,11 +30,13 @@ import time
 import numpy as np
 
 from router.block_hash import PromptReuse, SessionHasher
+from router.config import RouterConfig
 from router.kv_index import KvIndex
 from router.load import LoadTracker
 from router.policy.selector import PdservePolicy
 from router.policy.types import RouteRequest
 from router.readback import ReadbackTable
+from router.sessions import Sessions
 
 
 def _rss_bytes() -> int:
@@ -85,9 +87,10 @@ def run_case(
     n_pre = n_replicas // 2
     for r in range(n_replicas):
         tracker.add_replica(f"r{r}", "prefill" if r < n_pre else "decode", node_id=f"n{r // 8}")
-    policy = PdservePolicy()
-    hasher = SessionHasher(block_size)
-    pins = ReadbackTable(block_size=block_size, ttl_s=480) if readback else None
+    sessions = Sessions.of(RouterConfig())  # one session state for every part, as in the router
+    policy = PdservePolicy(sessions=sessions)
+    hasher = SessionHasher(block_size, sessions)
+    pins = ReadbackTable(block_size=block_size, ttl_s=480, sessions=sessions) if readback else None
     next_engine_hash = 1 << 40  # above build_index's engine hashes
     out: dict[str, list[float]] = {"first": [], "next": [], "first_cpu": [], "next_cpu": [], "seal_cpu": []}
     for it in range(iters):

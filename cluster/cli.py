@@ -136,7 +136,8 @@ class _UserError(Exception):
 
 
 def _load(path: Path) -> Any:
-    from cluster.topology import TopologyError, load_topology
+    from cluster.topology import TopologyError
+    from cluster.topology_file import load_topology
 
     try:
         return load_topology(path)

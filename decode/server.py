@@ -6,11 +6,16 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
+from decode.engine import DecodeEngine
+from engine.double import DoubleEngineHost
 from engine.messages import EngineRequest, TokenBatch
 from engine.replica import EngineReplica
 
 
 class DecodeServer(EngineReplica):
+    HOST = DecodeEngine
+    host: DecodeEngine | DoubleEngineHost
+
     # replica_hint: the router's choice, read by its Serve request router (router/serve_request_router.py).
     # replica_avoid: failed replicas the Serve request router must not choose (read there, unused here).
     async def generate(

@@ -1,4 +1,5 @@
-"""A TEST DOUBLE of the engine host: same interface and messages as engine.host.EngineHost, no vLLM.
+"""A TEST DOUBLE of the engine host: the interface and messages of the role engines
+(prefill/engine.py, decode/engine.py, on engine.host.EngineHost), no vLLM.
 
 Selected by `model.engine: double` in the topology. It exists so that cluster tests (scaling, rolling
 updates, replica and node failures on a fake multi-node Ray cluster) run real Serve deployments, the real
@@ -103,7 +104,7 @@ class _PrefixCache:
 
 
 class DoubleEngineHost:
-    """Test double of engine.host.EngineHost (see the module docstring)."""
+    """Test double of the prefill and decode engines (see the module docstring)."""
 
     def __init__(
         self,
@@ -161,7 +162,7 @@ class DoubleEngineHost:
         )
 
     async def generate(self, req: EngineRequest) -> AsyncIterator[TokenBatch]:
-        """Stream tokens in batches as EngineHost does: the first at once, then by count or time."""
+        """Stream tokens in batches as DecodeEngine does: the first at once, then by count or time."""
         prompt = req.prompt_token_ids
         max_batch, max_wait = (1, 0.0) if req.stream is None else (req.stream.tokens, req.stream.ms / 1e3)
         async with self._running(req.request_id, len(prompt)):
@@ -194,7 +195,7 @@ class DoubleEngineHost:
             yield self._last_batch(ids, "length", len(prompt), cached)
 
     async def export(self, req: EngineRequest) -> dict[str, Any] | None:
-        """As EngineHost.export: NixlConnector-shaped pin parameters (nothing is pinned or pulled here)."""
+        """As DecodeEngine.export: NixlConnector-shaped pin parameters (nothing is pinned or pulled here)."""
         if self.spec.kv_readback_ttl_s <= 0:
             return None
         prompt = req.prompt_token_ids

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import ClassVar
 
 import msgspec
 import ray
@@ -24,6 +25,11 @@ WATCH_S = 0.25
 
 
 class EngineReplica:
+    # The role's engine (prefill/engine.py, decode/engine.py); `model.engine: double` replaces it with the
+    # test double, which speaks both roles.
+    HOST: ClassVar[type[EngineHost]] = EngineHost
+    host: EngineHost | DoubleEngineHost
+
     # Serve awaits async constructors; the replica is routed to only once this returns. The spec comes from
     # the replica's environment, not an init argument: see engine/spec.py for why.
     async def __init__(self) -> None:  # type: ignore[misc]
@@ -40,8 +46,8 @@ class EngineReplica:
                 context.replica_id.unique_id,
                 spec.cpu_threads_bind[0],
             )
-        host_class = DoubleEngineHost if spec.engine == "double" else EngineHost
-        self.host: EngineHost | DoubleEngineHost = host_class(
+        host_class = DoubleEngineHost if spec.engine == "double" else self.HOST
+        self.host = host_class(
             spec,
             replica_id=context.replica_id.unique_id,
             node_id=ray.get_runtime_context().get_node_id(),

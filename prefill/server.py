@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from engine.double import DoubleEngineHost
 from engine.messages import EngineRequest, PrefillResult
 from engine.replica import EngineReplica
+from prefill.engine import PrefillEngine
 
 
 class PrefillServer(EngineReplica):
+    HOST = PrefillEngine
+    host: PrefillEngine | DoubleEngineHost
+
     # replica_hint: the router's choice, read by its Serve request router (router/serve_request_router.py).
     async def prefill(
         self, req: EngineRequest, replica_hint: str | None = None, replica_avoid: tuple[str, ...] = ()

@@ -19,19 +19,20 @@ import msgspec
 from grpc_health.v1.health_pb2 import HealthCheckResponse
 from ray import serve
 
-from engine.messages import ReplicaInfo, StreamBatch
+from engine.messages import ReplicaInfo
 from router.api import pdserve_pb2 as pb
 from router.chat_encoder import SessionChatEncoder
 from router.cluster_view import ClusterView
-from router.config import RouterConfig, ServedModel, ServerConfig
+from router.config import LiveConfig, RouterConfig, ServedModel, ServerConfig
 from router.metrics import RouterMetrics
 from router.openai_http import HttpServer, build_app
 from router.orchestrator import Orchestrator
 from router.output_parser import OutputParsers
 from router.policy.selector import PdservePolicy
-from router.readback import ReadbackTable
+from router.readback import KvPulls, ReadbackTable
 from router.routing import RequestRouter
 from router.server import ListenError, PdserveService, start_grpc_server
+from router.sessions import Sessions
 from router.tokenizer import PromptTokenizer
 from router.validation import ModelLimits
 
@@ -53,7 +54,7 @@ class RouterProcess:
         """`kv_readback_ttl_s`: how long decode engines keep a finished turn's KV pinned (0: no readback)."""
         self.model = model
         self.server = server
-        self.config = router
+        self.config = LiveConfig(router)
         self.app_name = app_name
         self.metrics = RouterMetrics()
         self._serving: bool | None = None  # what grpc.health.v1 says now (None: not yet set)
@@ -61,7 +62,9 @@ class RouterProcess:
         prefill = serve.get_deployment_handle("prefill", app_name) if has_prefill else None
         decode = serve.get_deployment_handle("decode", app_name)
         self._registry = serve.get_deployment_handle("registry", app_name)
-        self.policy = PdservePolicy(router)
+        # Everything kept about a session between its turns, by every part of the router, one bound.
+        self.sessions = Sessions.of(router)
+        self.policy = PdservePolicy(router, sessions=self.sessions)
         self.view = ClusterView(
             self._registry, block_size=model.block_size, timing=self.policy.weights.timing
         )
@@ -74,21 +77,26 @@ class RouterProcess:
             self._token = os.environ.get(server.auth_token_env)
             if not self._token:
                 raise RuntimeError(f"server.auth_token_env names {server.auth_token_env}, which is not set")
-        self.orchestrator = Orchestrator(prefill, decode, block_size=model.block_size, stream=_stream(router))
+        self.orchestrator = Orchestrator(prefill, decode, block_size=model.block_size, config=self.config)
         self.router = RequestRouter(
             view=self.view,
             policy=self.policy,
             block_size=model.block_size,
             has_prefill_pool=has_prefill,
-            overload_queue_tokens=router.overload_queue_tokens,
-            readback=ReadbackTable(block_size=model.block_size, ttl_s=kv_readback_ttl_s)
+            config=self.config,
+            pulls=KvPulls(
+                ReadbackTable(block_size=model.block_size, ttl_s=kv_readback_ttl_s, sessions=self.sessions),
+                self.config,
+            )
             if has_prefill and kv_readback_ttl_s > 0
             else None,
-            exports=router.kv_readback_exports,
+            sessions=self.sessions,
         )
         self.service = PdserveService(
             tokenizer=tokenizer,
-            chat_encoder=SessionChatEncoder(tokenizer, on_encoded=self.metrics.on_chat_encoded),
+            chat_encoder=SessionChatEncoder(
+                tokenizer, self.sessions, on_encoded=self.metrics.on_chat_encoded
+            ),
             parsers=OutputParsers(tokenizer.hf_tokenizer, model.tool_call_parser, model.reasoning_parser),
             limits=ModelLimits(
                 served_name=model.name, max_model_len=model.max_model_len, vocab_size=tokenizer.vocab_size
@@ -98,23 +106,22 @@ class RouterProcess:
             router=self.router,
             metrics=self.metrics,
             cluster_status=self.cluster_status,
-            failover_attempts=router.failover_attempts,
+            config=self.config,
+            sessions=self.sessions,
         )
 
     def reconfigure(self, router: RouterConfig) -> None:
-        """Apply a new `router` section to the running router: the next request sees it. Sessions, the KV
-        index and load accounting are kept."""
-        if router == self.config:
+        """Apply a new `router` section to the running router: the next request sees it (every part reads
+        `self.config.current`; what is derived from it is rebuilt here). Sessions, the KV index and load
+        accounting are kept."""
+        old = self.config.current
+        if router == old:
             return
+        self.config.current = router
+        self.sessions.resize(router.max_sessions, router.max_session_tokens)
         self.policy.reconfigure(router)
         self.view.load.timing = self.policy.weights.timing
-        self.router.reconfigure(
-            overload_queue_tokens=router.overload_queue_tokens, exports=router.kv_readback_exports
-        )
-        self.orchestrator.stream = _stream(router)
-        self.service.failover_attempts = router.failover_attempts
-        log.info("router settings applied in place: %s", _changed(self.config, router))
-        self.config = router
+        log.info("router settings applied in place: %s", _changed(old, router))
 
     async def _follow_config(self, every_s: float = 1.0) -> None:
         """Poll the deployed `router` section (the registry holds the topology `pdserve apply` deployed)."""
@@ -203,10 +210,6 @@ class RouterProcess:
         await server.start()
         log.info("OpenAI HTTP endpoint on %s:%d", cfg.http_host, cfg.http_port)
         return server
-
-
-def _stream(router: RouterConfig) -> StreamBatch:
-    return StreamBatch(tokens=router.stream_batch_tokens, ms=router.stream_batch_ms)
 
 
 def _changed(old: RouterConfig, new: RouterConfig) -> str:

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from router.session_store import SessionStore
+from router.sessions import Part, Sessions
 
 # Fixed parent of every chain's first block (any constant works; this one is "pdserve" in ASCII).
 ROOT_PARENT = 0x7064736572766500
@@ -86,8 +86,7 @@ class _SessionEntry:
         self.digest: int | None = None
 
 
-def _full_tokens(entry: _SessionEntry) -> int:
-    return entry.n_full
+HASHED = Part[_SessionEntry]("hashed_prompt", lambda e: e.n_full)
 
 
 class SessionHasher:
@@ -107,23 +106,21 @@ class SessionHasher:
     collision misleads one routing decision, never what the engine computes. Without a digest (not sealed
     yet) the lists are compared directly.
 
-    Memory is bounded by `max_sessions` and `max_tokens` (total cached tokens); least recently used sessions
-    are dropped first. Not thread-safe: one per event loop.
+    Each session's hashed prompt is kept in the router's `Sessions` (router/sessions.py, which bounds them).
+    One per event loop.
     """
 
     # Width of the coarse scan that locates the first differing block when the fast whole-prefix check fails.
     _SCAN_CHUNK_BLOCKS = 64
 
-    def __init__(self, block_size: int, max_sessions: int = 10_000, max_tokens: int = 8_000_000) -> None:
-        if block_size <= 0 or max_sessions <= 0 or max_tokens <= 0:
-            raise ValueError("block_size, max_sessions and max_tokens must be positive")
+    def __init__(self, block_size: int, sessions: Sessions | None = None) -> None:
+        """`sessions`: the router's (default: one of its own)."""
+        if block_size <= 0:
+            raise ValueError("block_size must be positive")
         self.block_size = block_size
-        self._sessions: SessionStore[_SessionEntry] = SessionStore(max_sessions, max_tokens, _full_tokens)
+        self._sessions = sessions if sessions is not None else Sessions.default()
         self.reused_blocks = 0
         self.hashed_blocks = 0
-
-    def __len__(self) -> int:
-        return len(self._sessions)
 
     def hash(
         self, session_id: str | None, token_ids: Sequence[int], reuse_hint: PromptReuse | None = None
@@ -138,7 +135,7 @@ class SessionHasher:
             token_ids = list(token_ids)
         bs = self.block_size
         n_full = len(token_ids) // bs * bs
-        entry = None if session_id is None else self._sessions.get(session_id)
+        entry = None if session_id is None else self._sessions.get(session_id, HASHED)
         if entry is None:
             reuse, shared = 0, False
         elif reuse_hint is not None and reuse_hint.base is entry.tokens:
@@ -166,7 +163,7 @@ class SessionHasher:
             return own
         # The session keeps its own list of the hashes (the caller may mutate what it gets back), and the
         # tokens by reference (a copy of a long prompt would cost as much as the comparison).
-        self._sessions.put(session_id, _SessionEntry(token_ids, n_full, own, shared))
+        self._sessions.put(session_id, HASHED, _SessionEntry(token_ids, n_full, own, shared))
         return own.copy()
 
     def seal(self, session_id: str | None) -> None:
@@ -174,12 +171,12 @@ class SessionHasher:
         turn's routing decision (its cost, about that of hashing the prompt as one tuple, is off the
         decision's path). Skipped when the prompt held the previous turn's int objects: that session's next
         check is an identity compare."""
-        entry = None if session_id is None else self._sessions.get(session_id)
+        entry = None if session_id is None else self._sessions.get(session_id, HASHED)
         if entry is not None and entry.digest is None and not entry.shares_objects:
             entry.digest = hash(tuple(entry.tokens))
 
     def forget(self, session_id: str) -> None:
-        self._sessions.pop(session_id)
+        self._sessions.pop(session_id, HASHED)
 
     def _reusable_blocks(self, entry: _SessionEntry, token_ids: list[int], n_full: int) -> tuple[int, bool]:
         """Number of leading full blocks shared with the cached turn, and whether the new prompt holds the

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from router.block_hash import PromptReuse
-from router.session_store import SessionStore
+from router.sessions import Part, Sessions
 from router.tokenizer import PromptTokenizer
 
 log = logging.getLogger(__name__)
@@ -66,28 +66,23 @@ class _Entry:
         self.token_at: list[int] = []
 
 
-def _chars(entry: _Entry) -> int:
-    return len(entry.text)
+CHAT = Part[_Entry]("chat", lambda e: len(e.ids))
 
 
 class SessionChatEncoder:
     """Chat prompts to token ids, per session incrementally (see the module docstring).
 
-    Thread-safe: called through `asyncio.to_thread` by concurrent requests. Memory is bounded by
-    `max_sessions` and `max_chars` (rendered text kept, all sessions together); least recently used sessions
-    are dropped first."""
+    Thread-safe: called through `asyncio.to_thread` by concurrent requests. Each session's rendered turn is
+    kept in `sessions` (router/sessions.py, which bounds them)."""
 
     def __init__(
         self,
         tokenizer: PromptTokenizer,
-        max_sessions: int = 10_000,
-        max_chars: int = 256_000_000,
+        sessions: Sessions | None = None,
         on_encoded: Callable[[int, int], None] | None = None,
     ) -> None:
         """`on_encoded(reused, encoded)` is told, per prompt, how many ids came from the previous turn and
-        how many were encoded (metrics)."""
-        if max_sessions <= 0 or max_chars <= 0:
-            raise ValueError("max_sessions and max_chars must be positive")
+        how many were encoded (metrics). `sessions`: the router's (default: one of its own)."""
         self._tok = tokenizer
         self.unsupported = incremental_unsupported(tokenizer.hf_tokenizer)
         if self.unsupported is not None:
@@ -96,9 +91,8 @@ class SessionChatEncoder:
             )
         added = dict(getattr(tokenizer.hf_tokenizer, "added_tokens_decoder", {}) or {})
         self._added: dict[int, str] = {int(i): str(t.content) for i, t in added.items()}
-        # Guarded by _lock.
-        self._sessions: SessionStore[_Entry] = SessionStore(max_sessions, max_chars, _chars)
-        self._lock = threading.Lock()
+        self._sessions = sessions if sessions is not None else Sessions.default()
+        self._lock = threading.Lock()  # guards the totals
         self._on_encoded = on_encoded
         # Totals: token ids taken from previous turns, and ids encoded.
         self.reused_tokens = 0
@@ -131,8 +125,7 @@ class SessionChatEncoder:
             ids = self._tok.encode_rendered(text)
             self._count(0, len(ids))
             return ids, None
-        with self._lock:
-            prev = self._sessions.get(session_id)
+        prev = self._sessions.get(session_id, CHAT)
         entry = self._extend(prev, text) if prev is not None else None
         reuse = None
         if entry is None:
@@ -145,8 +138,7 @@ class SessionChatEncoder:
         return entry.ids, reuse
 
     def forget(self, session_id: str) -> None:
-        with self._lock:
-            self._sessions.pop(session_id)
+        self._sessions.pop(session_id, CHAT)
 
     def _extend(self, prev: _Entry, text: str) -> _Entry | None:
         """The new turn's entry, re-encoding from the last added token inside the shared text; None when
@@ -197,8 +189,7 @@ class SessionChatEncoder:
             cursor = pos + len(content)
 
     def _remember(self, session_id: str, entry: _Entry) -> None:
-        with self._lock:
-            self._sessions.put(session_id, entry)
+        self._sessions.put(session_id, CHAT, entry)
 
 
 def _common_prefix_len(a: str, b: str) -> int:

@@ -46,8 +46,10 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     churn_weight: NonNegativeFloat = 0.5
     # A session's next turn goes to the decode replica holding its KV while that replica is not overloaded.
     session_affinity: bool = True
-    # Sessions the router keeps state for (placement, token history, block hashes, pins); least recent out.
+    # What the router keeps of sessions between turns (router/sessions.py: placement, token history, block
+    # hashes, pins), all together: at most this many sessions and token ids; the least recent go first.
     max_sessions: PositiveInt = 100_000
+    max_session_tokens: PositiveInt = 32_000_000
     # With KV readback on (the topology's pools.kv_readback_ttl_s): a prefill may also pull a prefix any
     # decode replica holds in its prefix cache (that replica pins it first), not only a session's pinned turn.
     kv_readback_exports: bool = True
@@ -59,6 +61,16 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     failover_attempts: NonNegativeInt = 3
     # What one replica is (hardware, GPUs, model shape): the cost's seconds are estimated for it.
     service_time: ServiceTime = msgspec.field(default_factory=ServiceTime)
+
+
+class LiveConfig:
+    """The router's settings as the running router reads them: `current` is replaced when the deployed
+    topology changes (`pdserve apply`, router/app.py), and every part reads the setting it needs from it
+    when it needs it, so a change reaches the next request. A new setting is a field above, the line that
+    reads it, and its test."""
+
+    def __init__(self, config: RouterConfig | None = None) -> None:
+        self.current = config or RouterConfig()
 
 
 class TlsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

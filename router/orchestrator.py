@@ -45,6 +45,7 @@ from engine.messages import (
     StreamBatch,
     TokenBatch,
 )
+from router.config import LiveConfig
 from router.leg_order import LegOrder, Ticket
 from router.readback import block_id_groups, cut_pinned
 
@@ -133,19 +134,24 @@ class Orchestrator:
         decode: Any,
         *,
         block_size: int,
-        stream: StreamBatch | None = None,
+        config: LiveConfig | None = None,
         export_timeout_s: float = 5.0,
     ) -> None:
         """`prefill`/`decode`: Serve deployment handles (prefill None when the topology has no pool).
-        `stream`: how decode legs batch their tokens (None: not at all; settable: the router's config applies
-        in place)."""
-        self.stream = stream
+        `config`: the router's settings (how decode legs batch their tokens; None: they do not)."""
+        self._config = config
         self._prefill = prefill
         self._decode = decode
         self._block_size = block_size
         self._export_timeout_s = export_timeout_s
         self._order = LegOrder()
         self._releases: set[asyncio.Task[None]] = set()  # held so that a running release is not collected
+
+    def _stream(self) -> StreamBatch | None:
+        if self._config is None:
+            return None
+        cfg = self._config.current
+        return StreamBatch(tokens=cfg.stream_batch_tokens, ms=cfg.stream_batch_ms)
 
     async def serve(
         self,
@@ -255,7 +261,7 @@ class Orchestrator:
             prompt_token_ids=prompt_token_ids,
             sampling=sampling,
             kv_transfer_params=kv_params,
-            stream=self.stream,
+            stream=self._stream(),
         )
         completion_tokens = 0
         generated: list[int] = []

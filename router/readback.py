@@ -1,6 +1,6 @@
 """KV readback: a session's next prefill pulls the prefix its previous decode replica still holds.
 
-With `router.kv_readback_ttl_s` > 0 every decode engine keeps a finished request's KV blocks pinned for that
+With `pools.kv_readback_ttl_s` > 0 every decode engine keeps a finished request's KV blocks pinned for that
 long (vLLM's bidirectional NIXL transfer) and says where (`pinned_kv`). This table keeps, per session, the
 latest such pin and the token ids its blocks hold (that turn's prompt + generated ids). For the session's
 next turn it offers the policy what a prefill replica could pull instead of computing (`Readback`), and
@@ -8,8 +8,12 @@ hands the prefill leg the parameters that pull it.
 
 Exports (`router.kv_readback_exports`): the policy may instead pick a prefix that any decode replica holds in
 its prefix cache (not pinned: a session's evicted pin, another session's shared prefix, a request without a
-session). The orchestrator then has that replica pin it first (a one-token request, `EngineHost.export`),
+session). The orchestrator then has that replica pin it first (a one-token request, `DecodeEngine.export`),
 and `cut_pinned` cuts what it returns to the prefix the policy counted on.
+
+`KvPulls` is all the request path sees of it (router/routing.py): what a request may pull, for the policy,
+and once the policy chose, what the legs must do (`Route`'s readback and export fields). With readback off
+there is no `KvPulls` and the request path runs none of this.
 
 Safety, because a NIXL read copies whatever the named blocks hold:
 - the pull is cut to the blocks whose tokens equal the new prompt's (a client may edit its history), to
@@ -28,8 +32,9 @@ from typing import Any
 import msgspec
 
 from router.block_hash import PromptReuse
-from router.policy.types import Readback
-from router.session_store import SessionStore
+from router.config import LiveConfig
+from router.policy.types import Decision, Readback, ReplicaView
+from router.sessions import Part, Sessions
 
 # Compared in slices this long: list equality runs in C, a Python loop per token would not.
 _CHUNK = 4096
@@ -65,6 +70,9 @@ def common_prefix_len(a: list[int], b: list[int], start: int = 0) -> int:
     return n
 
 
+PIN = Part[_Pin]("readback_pin", lambda p: len(p.prompt) + len(p.output))
+
+
 class ReadbackTable:
     def __init__(
         self,
@@ -72,22 +80,17 @@ class ReadbackTable:
         block_size: int,
         ttl_s: float,
         expiry_margin_s: float = 10.0,
-        max_sessions: int = 10_000,
-        max_tokens: int = 8_000_000,
+        sessions: Sessions | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`sessions`: the router's, where each session's latest pin is kept (default: one of its own)."""
         if block_size <= 0 or ttl_s <= 0:
             raise ValueError("block_size and ttl_s must be positive")
         self.block_size = block_size
         self.ttl_s = ttl_s
         self.expiry_margin_s = expiry_margin_s
         self._clock = clock
-        self._pins: SessionStore[_Pin] = SessionStore(
-            max_sessions, max_tokens, lambda p: len(p.prompt) + len(p.output)
-        )
-
-    def __len__(self) -> int:
-        return len(self._pins)
+        self._sessions = sessions if sessions is not None else Sessions.default()
 
     def record(
         self,
@@ -101,12 +104,12 @@ class ReadbackTable:
         not, and the session has nothing to read back)."""
         blocks = block_id_groups(params)
         if params is None or not blocks:
-            self._pins.pop(session_id)
+            self._sessions.pop(session_id, PIN)
             return
         # The engine's TTL started when it finished the request, just before this call.
         expires_at = self._clock() + self.ttl_s - self.expiry_margin_s
         params = {**params, "remote_block_ids": blocks}
-        self._pins.put(session_id, _Pin(decode_replica, params, prompt, output, expires_at))
+        self._sessions.put(session_id, PIN, _Pin(decode_replica, params, prompt, output, expires_at))
 
     def offer(
         self, session_id: str | None, prompt: list[int], reuse: PromptReuse | None = None
@@ -115,12 +118,12 @@ class ReadbackTable:
         ids `prompt` copied from the session's previous prompt (not compared again)."""
         if session_id is None:
             return None
-        pin = self._pins.get(session_id)
+        pin = self._sessions.get(session_id, PIN)
         if pin is None:
             return None
         left = pin.expires_at - self._clock()
         if left <= 0:
-            self._pins.pop(session_id)
+            self._sessions.pop(session_id, PIN)
             return None
         known = reuse.tokens if reuse is not None and reuse.base is pin.prompt else 0
         shared = common_prefix_len(pin.prompt, prompt, known)
@@ -133,7 +136,70 @@ class ReadbackTable:
 
     def take(self, session_id: str) -> None:
         """The pin was handed to a prefill leg: reading it unpins it, so it is never offered again."""
-        self._pins.pop(session_id)
+        self._sessions.pop(session_id, PIN)
+
+
+class PullPlan(msgspec.Struct, frozen=True, kw_only=True):
+    """What one request's legs do about readback and exports (`router.orchestrator.Route`'s fields)."""
+
+    readback_params: dict[str, Any] | None = None
+    readback_replica: str = ""
+    pin_kv: bool = False
+    export_replica: str = ""
+    export_tokens: int = 0
+
+
+class KvPulls:
+    """KV readback and exports on the request path: the seam between them and the router."""
+
+    def __init__(self, table: ReadbackTable, config: LiveConfig) -> None:
+        self.table = table
+        self._config = config
+
+    @property
+    def export_ttl_s(self) -> float | None:
+        """How long an exported prefix is counted on (None: exports off, `router.kv_readback_exports`): the
+        engines' TTL, less the margin the table keeps."""
+        exports = self._config.current.kv_readback_exports
+        return self.table.ttl_s - self.table.expiry_margin_s if exports else None
+
+    def offer(self, session_id: str | None, prompt: list[int], reuse: PromptReuse | None) -> Offer | None:
+        return self.table.offer(session_id, prompt, reuse)
+
+    def plan(
+        self, d: Decision, offer: Offer | None, session_id: str | None, decode: list[ReplicaView]
+    ) -> PullPlan:
+        """The legs' part in the policy's decision `d` (`offer`: what `offer` gave this request)."""
+        pin = session_id is not None
+        if d.readback_export and d.readback_replica is not None and d.prefill is not None:
+            # The prefill leg starts from `predicted_cached_tokens`: its own prefix, then what it pulls. The
+            # session's pin (if any) is not handed out and expires on its engine.
+            return PullPlan(
+                readback_replica=d.readback_replica,
+                pin_kv=pin,
+                export_replica=d.readback_replica,
+                export_tokens=d.predicted_cached_tokens,
+            )
+        if offer is not None and d.prefill is not None and session_id is not None:
+            self.table.take(session_id)
+            source = offer.readback.replica_id
+            # Handed to the prefill leg even when it holds the prefix itself: its read (or its notice that
+            # it needs none) unpins the blocks on the decode engine. Not when that engine is gone: the
+            # prefill engine would only wait on a dead peer before computing the prompt anyway.
+            if any(v.replica_id == source and v.ready for v in decode):
+                return PullPlan(readback_params=offer.params, readback_replica=source, pin_kv=pin)
+        return PullPlan(pin_kv=pin)
+
+    def turn_done(
+        self,
+        session_id: str | None,
+        decode_replica: str,
+        pinned_kv: dict[str, Any] | None,
+        prompt: list[int],
+        output: list[int],
+    ) -> None:
+        if session_id is not None:
+            self.table.record(session_id, decode_replica, pinned_kv, prompt, output)
 
 
 def cut_pinned(params: dict[str, Any], tokens: int, block_size: int) -> dict[str, Any] | None:

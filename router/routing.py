@@ -2,10 +2,10 @@
 
 admission (RESOURCE_EXHAUSTED beyond `overload_queue_tokens` in flight)
   -> hash the prompt's blocks (per session: a new turn hashes only its new blocks)
-  -> what the session's previous decode replica keeps pinned for readback (router.readback), if on
+  -> what a prefill leg could pull instead of computing (router.readback.KvPulls), if readback is on
   -> the policy chooses prefill and decode replicas jointly from the KV index and the load
-  -> dispatch is counted (load), the route goes to the orchestrator with the replica hints (and, for a
-     prefill leg, the pinned blocks to pull).
+  -> dispatch is counted (load), the route goes to the orchestrator with the replica hints (and, with
+     readback, what the legs pull, export and pin).
 """
 
 from __future__ import annotations
@@ -18,9 +18,11 @@ import msgspec
 from engine.messages import Sampling
 from router.block_hash import PromptReuse, SessionHasher
 from router.cluster_view import ClusterView
+from router.config import LiveConfig
 from router.orchestrator import Route
 from router.policy.types import Decision, Policy, RouteRequest
-from router.readback import ReadbackTable
+from router.readback import KvPulls, PullPlan
+from router.sessions import Sessions
 
 log = logging.getLogger(__name__)
 
@@ -43,30 +45,21 @@ class RequestRouter:
         policy: Policy,
         block_size: int,
         has_prefill_pool: bool,
-        overload_queue_tokens: int,
-        readback: ReadbackTable | None = None,
-        exports: bool = False,
+        config: LiveConfig,
+        pulls: KvPulls | None = None,
+        sessions: Sessions | None = None,
     ) -> None:
-        """`readback`: the sessions' pinned decode KV (None: KV readback is off). `exports` (with readback):
-        a prefill leg may also pull a prefix any decode replica holds, which it pins on request."""
+        """`pulls`: KV readback and exports (None: off). `sessions`: the router's session state (the block
+        hasher keeps each session's hashed prompt there)."""
         self._view = view
         self._policy = policy
         self._block_size = block_size
         self._has_prefill = has_prefill_pool
-        self._hasher = SessionHasher(block_size)
-        self._readback = readback
-        self._export_ttl_s: float | None = None
-        self.reconfigure(overload_queue_tokens=overload_queue_tokens, exports=exports)
+        self._hasher = SessionHasher(block_size, sessions)
+        self._pulls = pulls
+        self._config = config
         self._admitted: dict[str, _Admitted] = {}
         self._admitted_tokens = 0
-
-    def reconfigure(self, *, overload_queue_tokens: int, exports: bool) -> None:
-        self._limit = overload_queue_tokens
-        readback = self._readback
-        # How long an exported prefix is counted on: the engines' TTL, less the margin the table keeps.
-        self._export_ttl_s = (
-            readback.ttl_s - readback.expiry_margin_s if readback is not None and exports else None
-        )
 
     def route(
         self,
@@ -78,12 +71,14 @@ class RequestRouter:
     ) -> Route:
         """`reuse`: which of the prompt's ids were copied from the session's previous prompt (by the chat
         encoder or the token-id sessions)."""
-        if self._admitted and self._admitted_tokens + len(prompt) > self._limit:
+        limit = self._config.current.overload_queue_tokens
+        if self._admitted and self._admitted_tokens + len(prompt) > limit:
             raise Overloaded(
                 f"cluster overloaded: {self._admitted_tokens} prompt tokens in flight "
-                f"(limit {self._limit}); retry later"
+                f"(limit {limit}); retry later"
             )
-        offer = None if self._readback is None else self._readback.offer(session_id, prompt, reuse)
+        pulls = self._pulls
+        offer = None if pulls is None else pulls.offer(session_id, prompt, reuse)
         req = RouteRequest(
             request_id=request_id,
             session_id=session_id,
@@ -92,7 +87,7 @@ class RequestRouter:
             block_size=self._block_size,
             max_tokens=sampling.max_tokens,
             readback=None if offer is None else offer.readback,
-            export_ttl_s=self._export_ttl_s,
+            export_ttl_s=None if pulls is None else pulls.export_ttl_s,
         )
         prefill = self._view.load.views("prefill") if self._has_prefill else []
         decode = self._view.load.views("decode")
@@ -105,33 +100,18 @@ class RequestRouter:
         d = self._policy.choose(req, prefill, decode, self._view.index)  # NoReplicaError: UNAVAILABLE
         self._view.load.on_dispatch(req, d)
         self._admit(request_id, len(prompt), req, d)
-        readback_params, readback_replica = None, ""
-        export_replica, export_tokens = "", 0
-        if d.readback_export and d.readback_replica is not None and d.prefill is not None:
-            # The prefill leg starts from `predicted_cached_tokens`: its own prefix, then what it pulls. The
-            # session's pin (if any) is not handed out and expires on its engine.
-            export_replica, export_tokens = d.readback_replica, d.predicted_cached_tokens
-            readback_replica = d.readback_replica
-        elif offer is not None and d.prefill is not None and session_id is not None:
-            assert self._readback is not None
-            self._readback.take(session_id)
-            source = offer.readback.replica_id
-            # Handed to the prefill leg even when it holds the prefix itself: its read (or its notice that
-            # it needs none) unpins the blocks on the decode engine. Not when that engine is gone: the
-            # prefill engine would only wait on a dead peer before computing the prompt anyway.
-            if any(v.replica_id == source and v.ready for v in decode):
-                readback_params, readback_replica = offer.params, source
+        plan = PullPlan() if pulls is None else pulls.plan(d, offer, session_id, decode)
         return Route(
             prefill=d.prefill is not None,
             prefill_replica=d.prefill,
             decode_replica=d.decode,
             predicted_cached_tokens=d.predicted_cached_tokens,
-            readback_params=readback_params,
+            readback_params=plan.readback_params,
             readback_tokens=d.readback_tokens,
-            readback_replica=readback_replica,
-            pin_kv=self._readback is not None and session_id is not None,
-            export_replica=export_replica,
-            export_tokens=export_tokens,
+            readback_replica=plan.readback_replica,
+            pin_kv=plan.pin_kv,
+            export_replica=plan.export_replica,
+            export_tokens=plan.export_tokens,
             reason=d.reason,
             avoid=self._view.failed_ids(),
         )
@@ -149,8 +129,8 @@ class RequestRouter:
         output: list[int],
     ) -> None:
         """A turn completed on `decode_replica`, which keeps its blocks pinned (`pinned_kv`) for readback."""
-        if self._readback is not None and session_id is not None:
-            self._readback.record(session_id, decode_replica, pinned_kv, prompt, output)
+        if self._pulls is not None:
+            self._pulls.turn_done(session_id, decode_replica, pinned_kv, prompt, output)
 
     def replica_failed(self, replica_id: str, reason: str) -> None:
         """A call found `replica_id` dead or its engine failed: no more routing to it, on any router."""

@@ -29,11 +29,13 @@ from router.api import pdserve_pb2 as pb
 from router.api import pdserve_pb2_grpc as pb_grpc
 from router.block_hash import PromptReuse
 from router.chat_encoder import SessionChatEncoder
+from router.config import LiveConfig
 from router.metrics import RouterMetrics
 from router.orchestrator import Completion, NoReplicaError, Orchestrator, Route
 from router.output_parser import OutputParser, OutputParsers, ParsedDelta
 from router.policy.types import NoReplicaError as NoEligibleReplica
 from router.routing import Overloaded, RequestRouter
+from router.sessions import Sessions
 from router.token_sessions import SessionTokenIds, TokenIdsTurn
 from router.tokenizer import ChatInputError, PromptTokenizer
 from router.validation import (
@@ -96,7 +98,8 @@ class PdserveService(pb_grpc.PdserveServicer):
         router: RequestRouter,
         metrics: RouterMetrics,
         cluster_status: Callable[[], Awaitable[list[pb.Replica]]],
-        failover_attempts: int = 3,
+        config: LiveConfig | None = None,
+        sessions: Sessions | None = None,
     ) -> None:
         self._tokenizer = tokenizer
         self._chat = chat_encoder
@@ -107,8 +110,8 @@ class PdserveService(pb_grpc.PdserveServicer):
         self._router = router
         self._metrics = metrics
         self._cluster_status = cluster_status
-        self.failover_attempts = failover_attempts  # settable: the router config applies in place
-        self._token_sessions = SessionTokenIds()
+        self._config = config or LiveConfig()
+        self._token_sessions = SessionTokenIds(sessions)
 
     async def Generate(
         self, call: GenerateCall, context: grpc.aio.ServicerContext
@@ -205,7 +208,7 @@ class PdserveService(pb_grpc.PdserveServicer):
                 first_route,
                 reroute=reroute,
                 on_replica_failed=self._router.replica_failed,
-                attempts=self.failover_attempts,
+                attempts=self._config.current.failover_attempts,
                 on_prefill_done=lambda: self._router.prefill_done(request_id),
             )
             async for event in events:

@@ -13,15 +13,15 @@ router's block hasher recognises (`PromptReuse`) without comparing them either. 
 turn, edited history, ids not sent as one packed field) takes the full path; the result is the same list
 either way, which the tests check against protobuf's own decoding.
 
-Memory is bounded by `max_sessions` and `max_tokens` (ids kept, all sessions together); least recently used
-sessions are dropped first. Not thread-safe: one per event loop.
+Each session's ids are kept in the router's `Sessions` (router/sessions.py, which bounds them). One per event
+loop.
 """
 
 from __future__ import annotations
 
 from router.api import pdserve_pb2 as pb
 from router.block_hash import PromptReuse
-from router.session_store import SessionStore
+from router.sessions import Part, Sessions
 
 PROMPT_TOKEN_IDS_FIELD = pb.GenerateRequest.DESCRIPTOR.fields_by_name["prompt_token_ids"].number
 
@@ -98,18 +98,13 @@ class _Entry:
         self.ids = ids
 
 
-def _ids(entry: _Entry) -> int:
-    return len(entry.ids)
+TOKEN_IDS = Part[_Entry]("token_ids", lambda e: len(e.ids))
 
 
 class SessionTokenIds:
-    def __init__(self, max_sessions: int = 10_000, max_tokens: int = 8_000_000) -> None:
-        if max_sessions <= 0 or max_tokens <= 0:
-            raise ValueError("max_sessions and max_tokens must be positive")
-        self._sessions: SessionStore[_Entry] = SessionStore(max_sessions, max_tokens, _ids)
-
-    def __len__(self) -> int:
-        return len(self._sessions)
+    def __init__(self, sessions: Sessions | None = None) -> None:
+        """`sessions`: the router's (default: one of its own)."""
+        self._sessions = sessions if sessions is not None else Sessions.default()
 
     def start(self, request: pb.GenerateRequest, raw: bytes) -> TokenIdsTurn | None:
         """For a session's token-id request (`raw`: its serialized form): the turn, with the previous turn's
@@ -119,7 +114,7 @@ class SessionTokenIds:
         packed = packed_field(raw, PROMPT_TOKEN_IDS_FIELD)
         if packed is None:
             return None
-        entry = self._sessions.get(request.session_id)
+        entry = self._sessions.get(request.session_id, TOKEN_IDS)
         prior = None
         if entry is not None and len(packed) >= len(entry.packed) and packed.startswith(entry.packed):
             prior = entry.ids
@@ -128,4 +123,4 @@ class SessionTokenIds:
     def finish(self, turn: TokenIdsTurn, ids: list[int]) -> None:
         """The turn's ids were accepted: keep them for the session's next turn. `ids` is kept by reference
         (a prompt's list is never mutated)."""
-        self._sessions.put(turn.session_id, _Entry(turn.packed, ids))
+        self._sessions.put(turn.session_id, TOKEN_IDS, _Entry(turn.packed, ids))

@@ -4,7 +4,7 @@ small enough to read top to bottom.
     bench    measures everything below (may import any package)
     cluster  the CLI, topology, Serve application: composes what is below
     router   the request path in front of the engines
-    prefill, decode   the two engine roles
+    prefill, decode   the two engine roles: their protocol on top of the engine host (engine/host.py)
     engine   one vLLM engine on a replica, and the messages every process shares
 
 A lower layer never imports a higher one (lazy imports inside functions count too): the production CLI does
@@ -34,11 +34,10 @@ GENERATED = {"router/api/pdserve_pb2.py", "router/api/pdserve_pb2_grpc.py"}
 MAX_LINES = 400
 # Modules above MAX_LINES, each with why it is one module.
 LONG_MODULES = {
-    "cluster/topology.py": "the topology's sections and their checks, one schema",
+    "cluster/topology_checks.py": "every check a topology passes before start-up, one function per concern",
     "router/openai_http.py": "the OpenAI HTTP surface: each endpoint's request translation and responses",
     "bench/replay/sim.py": "the replay's event loop: one simulator whose handlers share its state",
     "router/server.py": "the gRPC service: each RPC's validation, streaming and terminal status",
-    "engine/host.py": "the vLLM engine host's primitives: start, prefill, generate, export, release, stop",
     "router/client.py": "the gRPC client library: every call and its request/response mapping",
     "engine/tiny_model.py": "the built-in model, built offline: config, weights and tokenizer in one place",
     "router/orchestrator.py": "one request's legs (prefill, export, decode), failover and KV release",

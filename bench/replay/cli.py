@@ -31,7 +31,8 @@ from bench.replay.traces import (
     load_trace,
     trace_files,
 )
-from cluster.topology import Topology, TopologyError, load_topology
+from cluster.topology import Topology, TopologyError
+from cluster.topology_file import load_topology
 
 
 class ReplayReport(msgspec.Struct, kw_only=True):

@@ -19,8 +19,8 @@ tests: the search must find its optimum).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from typing import Literal
+from collections.abc import Mapping, Sequence
+from typing import Literal, NamedTuple
 
 import msgspec
 
@@ -44,36 +44,97 @@ Kind = Literal[
 ]
 
 
-class Option(msgspec.Struct, frozen=True, kw_only=True):
+class Option(msgspec.Struct, frozen=True, gc=False):
+    """One way to serve the request and its cost, term by term (`router.policy.cost`; weighted seconds)."""
+
     kind: Kind
     decode: ReplicaView
     computing: ReplicaView  # the prefill replica, or `decode` itself for a local prefill
     cached: int  # prompt tokens `computing` starts from (its own prefix or a pulled one)
     pulled: int  # of `cached`, those pulled from a prefix source
     own_s: float  # unweighted seconds `computing` spends on the prompt
-    terms: Terms
-    total: float
+    prefill: float
+    queue: float
+    pull: float
+    balance: float
+    churn: float
+    decode_s: float
+    transfer: float
+    stall: float
+    total: float  # Terms.total: the terms added in its order
 
     @property
     def local(self) -> bool:
         return self.computing is self.decode
 
+    @property
+    def terms(self) -> Terms:
+        return Terms(
+            prefill=self.prefill,
+            queue=self.queue,
+            pull=self.pull,
+            balance=self.balance,
+            churn=self.churn,
+            decode=self.decode_s,
+            transfer=self.transfer,
+            stall=self.stall,
+        )
 
-class Prompt(msgspec.Struct, frozen=True, kw_only=True):
+
+# An option before it is built: `Option`'s fields in order. The search builds thousands per second and
+# compares them by total; only the winner becomes an `Option` (`Option(*candidate)`).
+Candidate = tuple[
+    Kind,
+    ReplicaView,
+    ReplicaView,
+    int,
+    int,
+    float,
+    float,
+    float,
+    float,
+    float,
+    float,
+    float,
+    float,
+    float,
+    float,
+]
+DECODE, TOTAL = 1, 14  # a candidate's decode replica and total
+
+
+class _CachedTokens(dict[str, int]):
+    """Prompt tokens each replica's prefix cache can supply, computed for the replicas looked up (a
+    session's next turn on its own replica looks up a few, not the pool), each once."""
+
+    __slots__ = ("block_size", "matched", "most")
+
+    def __init__(self, matched: Mapping[str, int], block_size: int, most: int) -> None:
+        super().__init__()
+        self.matched, self.block_size, self.most = matched, block_size, most
+
+    def __missing__(self, replica_id: str) -> int:
+        tokens = self[replica_id] = min(self.matched[replica_id] * self.block_size, self.most)
+        return tokens
+
+
+class Prompt:
     """The request as the options see it."""
 
-    tokens: int
-    max_tokens: int
-    block_size: int
-    matched: Mapping[str, int]  # leading blocks each replica holds
+    __slots__ = ("block_size", "cached_by", "max_tokens", "most", "tokens")
 
-    @property
-    def most(self) -> int:
-        """Cacheable tokens: all but the block holding the last token (vLLM computes at least that)."""
-        return (self.tokens - 1) // self.block_size * self.block_size if self.tokens > 0 else 0
+    def __init__(self, *, tokens: int, max_tokens: int, block_size: int, matched: Mapping[str, int]) -> None:
+        """`matched`: leading blocks each replica holds."""
+        self.tokens = tokens
+        self.max_tokens = max_tokens
+        self.block_size = block_size
+        # Cacheable tokens: all but the block holding the last token (vLLM computes at least that).
+        self.most = most = (tokens - 1) // block_size * block_size if tokens > 0 else 0
+        self.cached_by: dict[str, int] = _CachedTokens(matched, block_size, most)
 
     def cached(self, replica_id: str) -> int:
-        return min(self.matched[replica_id] * self.block_size, self.most)
+        """Prompt tokens `replica_id`'s prefix cache can supply."""
+        return self.cached_by[replica_id]
 
 
 class Balance(msgspec.Struct, frozen=True):
@@ -83,6 +144,27 @@ class Balance(msgspec.Struct, frozen=True):
     tokens: RecentWork
     seconds_weight: float
     tokens_weight: float
+
+
+class PrefillSides(NamedTuple):
+    """The prefill replicas' parts of their disaggregated options, one list entry per replica (its other
+    terms, derived from these, are filled in for the options built: `Scorer.disaggregated`)."""
+
+    replicas: Sequence[ReplicaView]
+    held: list[int]  # tokens its own prefix cache holds
+    start: list[int]  # tokens it starts from (its own or a pulled prefix)
+    own_s: list[float]
+    queued: list[float]  # estimated seconds queued on it (unweighted)
+    balance: list[float]
+    churn: list[float]
+    total: list[float]  # the part's terms added up
+
+    def pick(self, recent: RecentWork, among: Sequence[int] | None = None) -> int:
+        """The best replica's index (ties to the least recent work), among `among` (default: all)."""
+        if among is None:
+            return pick(self.replicas, self.total, recent)
+        k = pick([self.replicas[i] for i in among], [self.total[i] for i in among], recent)
+        return among[k]
 
 
 class Scorer:
@@ -100,55 +182,69 @@ class Scorer:
             s = self._prefill_s[cached] = estimated_prefill_s(self.w.timing, self.prompt.tokens, cached)
         return s
 
-    def prefill_side(self, p: ReplicaView, balance: float = 0.0, churn: float = 0.0) -> Option:
-        """P's part of a disaggregated option (decode and transfer terms still 0)."""
-        own = self.prompt.cached(p.replica_id)
-        start = starts_from(self.w, self.pull, p, own)
-        own_s = self.own_s(start)
-        terms = Terms(
-            prefill=self.w.prefill * own_s,
-            queue=queue_term(self.w, p),
-            pull=pull_term(self.w, self.pull, p, start - own),
-            balance=balance,
-            churn=churn,
-        )
-        return Option(
-            kind="disaggregated",
-            decode=p,
-            computing=p,
-            cached=start,
-            pulled=start - own,
-            own_s=own_s,
-            terms=terms,
-            total=terms.total,
-        )
+    # Options are built positionally, each total added up in Terms.total's order as the terms are known (a
+    # term that is 0 adds nothing; the prefill replicas' parts as lists): a decision builds a few per decode
+    # replica, on the request's path.
 
-    def disaggregated(self, side: Option, d: ReplicaView, decode_s: float) -> Option:
-        p = side.computing
+    def prefill_sides(self, prefill: Sequence[ReplicaView], balance: Balance) -> PrefillSides:
+        """Each prefill replica's part of a disaggregated option (decode and transfer terms to come)."""
+        w, pull, cached = self.w, self.pull, self.prompt.cached_by
+        n = len(prefill)
+        spread = n > 1
+        zero = [0.0] * n
+        charges = (
+            balance.seconds.above_mean(prefill, balance.seconds_weight)
+            if spread and balance.seconds_weight
+            else zero
+        )
+        churns = (
+            balance.tokens.above_mean(prefill, balance.tokens_weight)
+            if spread and balance.tokens_weight
+            else zero
+        )
+        held = [cached[p.replica_id] for p in prefill]
+        start = (
+            held if pull is None else [starts_from(w, pull, p, c) for p, c in zip(prefill, held, strict=True)]
+        )
+        own_s = [self.own_s(c) for c in start]
+        queued = [queued_prefill_s(w.timing, p) for p in prefill]
+        f, q = w.prefill, w.queue  # the prefill and queue terms, as cost.py weighs them
+        if pull is None:
+            totals = [
+                f * s + q * t + b + c for s, t, b, c in zip(own_s, queued, charges, churns, strict=True)
+            ]
+        else:
+            pulls = [pull_term(w, pull, p, s - c) for p, s, c in zip(prefill, start, held, strict=True)]
+            totals = [
+                f * s + q * t + x + b + c
+                for s, t, x, b, c in zip(own_s, queued, pulls, charges, churns, strict=True)
+            ]
+        return PrefillSides(prefill, held, start, own_s, queued, charges, churns, totals)
+
+    def disaggregated(self, sides: PrefillSides, i: int, d: ReplicaView, decode_s: float) -> Option:
+        """Prefill replica `sides.replicas[i]` computes the prompt, `d` decodes it."""
+        w, p = self.w, sides.replicas[i]
         within = p.node_id is not None and p.node_id == d.node_id
-        move = transfer_term(self.w, self.prompt.tokens - self.prompt.cached(d.replica_id), within)
-        terms = msgspec.structs.replace(side.terms, decode=decode_s, transfer=move)
-        return msgspec.structs.replace(side, decode=d, terms=terms, total=terms.total)
+        move = transfer_term(w, self.prompt.tokens - self.prompt.cached_by[d.replica_id], within)
+        start, s = sides.start[i], sides
+        pulled = start - s.held[i]
+        pulling = pull_term(w, self.pull, p, pulled)
+        return Option(
+            "disaggregated", d, p, start, pulled, s.own_s[i], w.prefill * s.own_s[i], w.queue * s.queued[i],
+            pulling, s.balance[i], s.churn[i], decode_s, move, 0.0, s.total[i] + decode_s + move,
+        )  # fmt: skip
 
     def local(self, d: ReplicaView, kind: Kind, decode_s: float) -> Option:
-        cached = self.prompt.cached(d.replica_id)
+        """`d` computes the prompt itself and decodes it."""
+        w = self.w
+        cached = self.prompt.cached_by[d.replica_id]
         own_s = self.own_s(cached)
-        terms = Terms(
-            prefill=self.w.prefill * own_s,
-            queue=queue_term(self.w, d),
-            decode=decode_s,
-            stall=stall_term(self.w, d, own_s, long=kind == "long_local_prefill"),
-        )
+        prefill, queue = w.prefill * own_s, queue_term(w, d)
+        stall = stall_term(w, d, own_s, long=kind == "long_local_prefill")
         return Option(
-            kind=kind,
-            decode=d,
-            computing=d,
-            cached=cached,
-            pulled=0,
-            own_s=own_s,
-            terms=terms,
-            total=terms.total,
-        )
+            kind, d, d, cached, 0, own_s, prefill, queue, 0.0, 0.0, 0.0, decode_s, 0.0, stall,
+            prefill + queue + decode_s + stall,
+        )  # fmt: skip
 
 
 def candidate_options(
@@ -163,42 +259,42 @@ def candidate_options(
     w, prompt = scorer.w, scorer.prompt
     n, short_max = prompt.tokens, cfg.local_prefill_max_tokens
     auto = cfg.mode == "auto"
+    cached = prompt.cached_by
+    # Whether each decode replica holds all but a short suffix (then its local prefill is its only option).
+    shorts = [auto and n - cached[d.replica_id] <= short_max for d in decode]
 
-    def short(d: ReplicaView) -> bool:
-        return auto and n - prompt.cached(d.replica_id) <= short_max
-
-    best: Option | None = None
-    best_on_node: dict[str, Option] = {}
+    sides: PrefillSides | None = None
+    best = -1
+    best_on_node: dict[str, int] = {}
     overflow = False
-    if prefill and not all(short(d) for d in decode):
-        sides = _prefill_sides(scorer, prefill, balance)
+    if prefill and not all(shorts):
+        sides = scorer.prefill_sides(prefill, balance)
         limit = cfg.prefill_overflow_queue_s
-        overflow = auto and limit is not None and min(queued_prefill_s(w.timing, p) for p in prefill) >= limit
-        best = sides[_pick_option(sides, balance.seconds)]
+        overflow = auto and limit is not None and min(sides.queued) >= limit
+        best = sides.pick(balance.seconds)
         nodes = {d.node_id for d in decode if d.node_id is not None}
-        groups: dict[str, list[Option]] = {}
-        for side in sides:
-            node = side.computing.node_id
-            if node in nodes:
-                groups.setdefault(node, []).append(side)
+        groups: dict[str, list[int]] = {}
+        for i, p in enumerate(prefill):
+            if p.node_id in nodes:
+                groups.setdefault(p.node_id, []).append(i)
         for node, group in groups.items():
-            best_on_node[node] = group[_pick_option(group, balance.seconds)]
+            best_on_node[node] = sides.pick(balance.seconds, group)
 
     out: list[Option] = []
-    for d in decode:
+    for d, short in zip(decode, shorts, strict=True):
         decode_s = decode_term(w, d, n, prompt.max_tokens)
-        if best is None:
+        if sides is None:
             out.append(scorer.local(d, "local_prefill" if prefill else "no_prefill_replica", decode_s))
             continue
-        if short(d):
+        if short:
             out.append(scorer.local(d, "local_prefill", decode_s))
             continue
         if overflow or auto:
             out.append(scorer.local(d, "prefill_overflow" if overflow else "long_local_prefill", decode_s))
-        option = scorer.disaggregated(best, d, decode_s)
-        near = best_on_node.get(d.node_id) if d.node_id is not None else None
-        if near is not None and near.computing is not best.computing:
-            nearer = scorer.disaggregated(near, d, decode_s)
+        option = scorer.disaggregated(sides, best, d, decode_s)
+        near = best_on_node.get(d.node_id, best) if d.node_id is not None else best
+        if near != best:
+            nearer = scorer.disaggregated(sides, near, d, decode_s)
             if nearer.total < option.total:
                 option = nearer
         out.append(option)
@@ -215,7 +311,7 @@ def every_option(
     """Every (P, D) pair and every offered local prefill: what `candidate_options` must find the best of."""
     prompt = scorer.prompt
     auto = cfg.mode == "auto"
-    sides = _prefill_sides(scorer, prefill, balance) if prefill else []
+    sides = scorer.prefill_sides(prefill, balance) if prefill else None
     limit = cfg.prefill_overflow_queue_s
     w = scorer.w
     overflow = (
@@ -224,7 +320,7 @@ def every_option(
         and limit is not None
         and min(queued_prefill_s(w.timing, p) for p in prefill) >= limit
     )
-    out = []
+    out: list[Option] = []
     for d in decode:
         decode_s = decode_term(w, d, prompt.tokens, prompt.max_tokens)
         if not prefill:
@@ -235,29 +331,6 @@ def every_option(
             continue
         if auto:
             out.append(scorer.local(d, "prefill_overflow" if overflow else "long_local_prefill", decode_s))
-        out.extend(scorer.disaggregated(side, d, decode_s) for side in sides)
+        assert sides is not None
+        out.extend(scorer.disaggregated(sides, i, d, decode_s) for i in range(len(prefill)))
     return out
-
-
-def _prefill_sides(scorer: Scorer, prefill: Sequence[ReplicaView], balance: Balance) -> list[Option]:
-    n = len(prefill)
-    zero = [0.0] * n
-    spread = n > 1
-    charges = (
-        balance.seconds.above_mean(prefill, balance.seconds_weight)
-        if spread and balance.seconds_weight
-        else zero
-    )
-    churns = (
-        balance.tokens.above_mean(prefill, balance.tokens_weight)
-        if spread and balance.tokens_weight
-        else zero
-    )
-    return [scorer.prefill_side(p, b, c) for p, b, c in zip(prefill, charges, churns, strict=True)]
-
-
-def _pick_option(
-    options: Sequence[Option], recent: RecentWork, by: Callable[[Option], ReplicaView] | None = None
-) -> int:
-    replicas = [o.computing if by is None else by(o) for o in options]
-    return pick(replicas, [o.total for o in options], recent)

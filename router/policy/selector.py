@@ -15,7 +15,6 @@ The decision carries the winning option's terms (`Decision.terms`), which the ro
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import cast
 
@@ -33,6 +32,7 @@ from router.policy.types import (
     ReplicaView,
     RouteRequest,
 )
+from router.sessions import Part, Sessions
 
 # A session's decode replica is overloaded (the session is re-placed by cost) at this KV usage, or with more
 # active sequences than this ratio x the mean over eligible decode replicas + the slack.
@@ -44,7 +44,7 @@ AFFINITY_LOAD_SLACK = 4
 _RATE_TOKENS = 8192
 
 
-class _Session:
+class _Placement:
     __slots__ = ("decode", "memo")
 
     def __init__(self, decode: str, memo: object | None) -> None:
@@ -52,12 +52,22 @@ class _Session:
         self.memo = memo  # the prefix lookup's memo of its latest turn (MemoPrefixLookup)
 
 
+PLACEMENT = Part[_Placement]("placement")
+
+
 class PdservePolicy:
     name = "pdserve"
 
-    def __init__(self, config: RouterConfig | None = None, timing: ServiceTimeModel | None = None) -> None:
-        """`timing`: the service-time model to cost with (default: the config's `service_time`)."""
-        self._sessions: OrderedDict[str, _Session] = OrderedDict()
+    def __init__(
+        self,
+        config: RouterConfig | None = None,
+        timing: ServiceTimeModel | None = None,
+        sessions: Sessions | None = None,
+    ) -> None:
+        """`timing`: the service-time model to cost with (default: the config's `service_time`).
+        `sessions`: the router's, where each session's placement is kept (default: one of its own)."""
+        config = config or RouterConfig()
+        self.sessions = sessions if sessions is not None else Sessions.of(config)
         self.recent = RecentWork()
         # Prompt tokens computed per replica, in seconds at the from-scratch prefill rate.
         self.recent_tokens = RecentWork()
@@ -65,7 +75,7 @@ class PdservePolicy:
         # several % of a next turn's decision): decided once per lookup type.
         self._memo_types: dict[type, bool] = {}
         self._timing = timing
-        self.reconfigure(config or RouterConfig())
+        self.reconfigure(config)
 
     def reconfigure(self, config: RouterConfig) -> None:
         """Use `config` from the next decision on; sessions and recent work are kept."""
@@ -73,8 +83,7 @@ class PdservePolicy:
         self.weights = CostWeights.of(config, self._timing)
         timing = self.weights.timing
         self._token_s = timing.prefill_s(_RATE_TOKENS, 0) / _RATE_TOKENS
-        while len(self._sessions) > config.max_sessions:
-            self._sessions.popitem(last=False)
+        self._balance = Balance(self.recent, self.recent_tokens, config.balance_weight, config.churn_weight)
 
     def choose(
         self,
@@ -87,7 +96,7 @@ class PdservePolicy:
         if not decs:
             raise NoReplicaError("no ready decode replica")
         pres = [p for p in prefill if p.eligible]
-        session = None if req.session_id is None else self._sessions.get(req.session_id)
+        session = None if req.session_id is None else self.sessions.get(req.session_id, PLACEMENT)
         ids = [r.replica_id for r in pres]
         ids += [r.replica_id for r in decs]
         memo_cache = self._memo_lookup(cache)
@@ -102,14 +111,12 @@ class PdservePolicy:
             block_size=req.block_size,
             matched=matched,
         )
-        pull = offer(req, decode, decs, matched, prompt.most) if pres else None
+        pull = None
+        if pres and (req.readback is not None or req.export_ttl_s is not None):
+            pull = offer(req, decode, decs, matched, prompt.most)
         candidates, affinity = self._candidates(decs, session)
-        balance = Balance(
-            self.recent, self.recent_tokens, self.config.balance_weight, self.config.churn_weight
-        )
-        options = candidate_options(
-            self.config, Scorer(self.weights, prompt, pull), pres, candidates, balance
-        )
+        scorer = Scorer(self.weights, prompt, pull)
+        options = candidate_options(self.config, scorer, pres, candidates, self._balance)
         win = options[pick([o.decode for o in options], [o.total for o in options], self.recent)]
         self._account(req, win)
         if req.session_id is not None:
@@ -136,7 +143,7 @@ class PdservePolicy:
         return None  # session placement outlives requests; nothing per request to release
 
     def _candidates(
-        self, decs: list[ReplicaView], session: _Session | None
+        self, decs: list[ReplicaView], session: _Placement | None
     ) -> tuple[list[ReplicaView], bool]:
         """The decode replicas to consider: the session's own unless overloaded, else every eligible one."""
         if self.config.session_affinity and session is not None:
@@ -164,16 +171,15 @@ class PdservePolicy:
         dec = win.decode
         rw.add(dec.replica_id, out * w.timing.tpot_s(dec.active_seqs + 1, dec.active_context_tokens))
 
-    def _remember(self, session_id: str, entry: _Session | None, decode_id: str, memo: object | None) -> None:
-        s = self._sessions
-        if entry is None:
-            s[session_id] = _Session(decode_id, memo)
-            if len(s) > self.config.max_sessions:
-                s.popitem(last=False)
+    def _remember(
+        self, session_id: str, entry: _Placement | None, decode_id: str, memo: object | None
+    ) -> None:
+        if entry is not None:
+            entry.decode, entry.memo = decode_id, memo
+            self.sessions.touch(session_id)
             return
-        entry.decode = decode_id
-        entry.memo = memo
-        s.move_to_end(session_id)
+        entry = _Placement(decode_id, memo)
+        self.sessions.put(session_id, PLACEMENT, entry)
 
 
 def _overloaded(d: ReplicaView, decs: Sequence[ReplicaView]) -> bool:

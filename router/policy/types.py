@@ -49,7 +49,7 @@ class ReplicaView(msgspec.Struct, kw_only=True, frozen=True):
         return self.ready and not self.draining
 
 
-class Terms(msgspec.Struct, frozen=True, kw_only=True):
+class Terms(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """One option's weighted seconds, term by term (what the log and the decision show)."""
 
     prefill: float = 0.0

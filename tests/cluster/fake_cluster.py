@@ -26,7 +26,8 @@ from ray_nodes import RayNodes
 
 from cluster.bootstrap import deploy, router_process, wait_until_running
 from cluster.serve_config import compile_serve_config
-from cluster.topology import Topology, parse_topology
+from cluster.topology import Topology
+from cluster.topology_file import parse_topology
 from engine.model_source import resolve_model_dir
 from router.client import PdserveClient, PdserveError
 

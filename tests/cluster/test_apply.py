@@ -22,7 +22,7 @@ from fake_cluster import (
 )
 
 from cluster.apply import ApplyError, apply_topology, diff_topologies, plan_actions
-from cluster.topology import parse_topology
+from cluster.topology_file import parse_topology
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
 

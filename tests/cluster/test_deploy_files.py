@@ -13,7 +13,8 @@ from ray.autoscaler._private.util import prepare_config, validate_config
 from ray.serve.schema import ServeDeploySchema
 
 from cluster.serve_config import compile_serve_config, render_rayservice
-from cluster.topology import Topology, load_topology, selector_matches
+from cluster.topology import Topology, selector_matches
+from cluster.topology_file import load_topology
 from router.config import RouterConfig
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -132,6 +133,6 @@ def test_rayservice_manifest_is_current(path: Path) -> None:
     expected = render_rayservice(load_topology(ROOT / source), source=source)
     assert path.read_text() == expected, (
         f'{name(path)} is stale; regenerate: .venv/bin/python -c "from cluster.serve_config import '
-        f"render_rayservice; from cluster.topology import load_topology; print(render_rayservice("
+        f"render_rayservice; from cluster.topology_file import load_topology; print(render_rayservice("
         f"load_topology('{source}'), source='{source}'), end='')\" > deploy/{name(path)}"
     )

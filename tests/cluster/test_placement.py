@@ -22,7 +22,8 @@ from ray_nodes import RayNodes
 
 from cluster.placement import INFEASIBLE, NO_RESOURCES, PlacementReport, placement_specs, wait_for_placement
 from cluster.serve_config import compile_serve_config
-from cluster.topology import Topology, parse_topology
+from cluster.topology import Topology
+from cluster.topology_file import parse_topology
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
 

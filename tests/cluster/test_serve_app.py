@@ -3,7 +3,7 @@
 from pathlib import Path
 
 from cluster.serve_app import engine_spec
-from cluster.topology import load_topology, parse_topology
+from cluster.topology_file import load_topology, parse_topology
 
 LOCAL = Path(__file__).resolve().parents[2] / "deploy" / "local.yaml"
 

@@ -11,7 +11,8 @@ from ray.serve.schema import ServeDeploySchema
 
 from cluster.serve_app import engine_spec
 from cluster.serve_config import compile_serve_config, export_rayservice, render_rayservice, running_topology
-from cluster.topology import Topology, TopologyError, parse_topology
+from cluster.topology import Topology, TopologyError
+from cluster.topology_file import parse_topology
 from engine.spec import ENGINE_SPEC_ENV, EngineSpec
 
 H200 = """

@@ -14,11 +14,11 @@ from cluster.topology import (
     Pool,
     Topology,
     TopologyError,
-    load_topology,
-    parse_topology,
     selector_matches,
     tool_call_parser,
 )
+from cluster.topology_checks import validate
+from cluster.topology_file import load_topology, parse_topology
 from router.config import RouterConfig
 
 BROKEN = sorted((Path(__file__).parent / "broken").glob("*.yaml"))
@@ -73,7 +73,7 @@ def test_there_are_broken_configs_for_each_kind_of_mistake() -> None:
 
 def test_defaults_are_the_local_cpu_cluster() -> None:
     topo = Topology()
-    topo.validate()
+    validate(topo)
     assert topo.model.source == "builtin:tiny-llama"
     assert topo.model.block_size % 32 == 0
     for _, pool in topo.pools.items():

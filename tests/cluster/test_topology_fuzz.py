@@ -10,7 +10,8 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cluster.topology import Topology, TopologyError, parse_topology
+from cluster.topology import Topology, TopologyError
+from cluster.topology_file import parse_topology
 
 
 def _field_names(cls: type = Topology, seen: set[str] | None = None) -> set[str]:

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from cluster.topology import vllm_engine_arg_names
+from cluster.topology_checks import vllm_engine_arg_names
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -15,11 +15,12 @@ from typing import Any
 from grpc_health.v1 import health_pb2
 from ports import free_port
 
-from engine.messages import EngineRequest, StreamBatch, TokenBatch
+from engine.messages import EngineRequest, TokenBatch
 from engine.tiny_model import ensure_tiny_model
 from router.api import pdserve_pb2 as pb
 from router.chat_encoder import SessionChatEncoder
 from router.cluster_view import ClusterView
+from router.config import LiveConfig
 from router.metrics import RouterMetrics
 from router.openai_http import HttpServer, build_app
 from router.orchestrator import Orchestrator
@@ -133,14 +134,14 @@ def endpoint(
                 None,
                 _Decode(tokenizer, output, [] if seen is None else seen),
                 block_size=32,
-                stream=StreamBatch(tokens=16, ms=20.0),
+                config=LiveConfig(),
             ),
             router=RequestRouter(
                 view=ClusterView(_Registry(), block_size=32),
                 policy=PdservePolicy(),
                 block_size=32,
                 has_prefill_pool=False,
-                overload_queue_tokens=65536,
+                config=LiveConfig(),
             ),
             metrics=RouterMetrics(),
             cluster_status=_no_replicas,

@@ -7,12 +7,14 @@ from typing import Any
 import msgspec
 import pytest
 
-from cluster.topology import Topology, parse_topology, served_model
-from engine.messages import StreamBatch
+from cluster.topology import Topology, served_model
+from cluster.topology_file import parse_topology
+from engine.messages import Sampling, StreamBatch
 from engine.tiny_model import ensure_tiny_model
 from router import app
 from router.app import RouterProcess
 from router.config import RouterConfig
+from router.routing import Overloaded
 
 
 class _Handle:
@@ -38,13 +40,14 @@ def process(monkeypatch: pytest.MonkeyPatch) -> RouterProcess:
 
 def test_the_router_section_reaches_the_policy_and_the_request_path(process: RouterProcess) -> None:
     assert process.policy.config.local_prefill_max_tokens == 64
-    assert process.orchestrator.stream == StreamBatch(tokens=4, ms=20.0)
+    assert process.orchestrator._stream() == StreamBatch(tokens=4, ms=20.0)
     assert process.view.load.timing == Topology().router.service_time.timing()
 
 
 def test_every_router_setting_applies_in_place(process: RouterProcess) -> None:
     # A session placed before the change keeps its state: nothing restarts.
     process.policy._remember("s", None, "d0", None)
+    assert process.policy.sessions is process.sessions
     changed = msgspec.convert(
         {
             "mode": "disaggregate",
@@ -58,9 +61,12 @@ def test_every_router_setting_applies_in_place(process: RouterProcess) -> None:
         RouterConfig,
     )
     process.reconfigure(changed)
+    assert process.config.current == changed
     assert process.policy.config == changed and process.policy.weights.prefill == 9.0
     assert process.view.load.timing == changed.service_time.timing()
-    assert process.router._limit == 10
-    assert process.orchestrator.stream == StreamBatch(tokens=2, ms=5.0)
-    assert process.service.failover_attempts == 0
-    assert "s" in process.policy._sessions
+    assert process.orchestrator._stream() == StreamBatch(tokens=2, ms=5.0)
+    # Admission reads the new limit at the next request.
+    with pytest.raises(Overloaded, match="limit 10"):
+        process.router._admit("r0", 8, None, None)
+        process.router.route("r1", None, list(range(8)), Sampling(max_tokens=1))
+    assert "s" in process.sessions

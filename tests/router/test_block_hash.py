@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from router.block_hash import PromptReuse, SessionHasher, hash_blocks
+from router.block_hash import HASHED, PromptReuse, SessionHasher, hash_blocks
+from router.sessions import Sessions
 
 
 def _tokens(n: int, seed: int = 0) -> list[int]:
@@ -139,12 +140,13 @@ def test_a_reuse_hint_about_another_list_is_ignored() -> None:
 
 
 def test_session_shorter_prompt_and_no_session() -> None:
-    h = SessionHasher(block_size=16)
+    sessions = Sessions(max_sessions=10, max_tokens=10_000)
+    h = SessionHasher(block_size=16, sessions=sessions)
     t = _tokens(500)
     h.hash("s", t)
     assert h.hash("s", t[:100]) == hash_blocks(t[:100], 16)
     assert h.hash(None, t) == hash_blocks(t, 16)
-    assert len(h) == 1
+    assert len(sessions) == 1
 
 
 def test_returned_list_does_not_alias_the_cache() -> None:
@@ -154,15 +156,12 @@ def test_returned_list_does_not_alias_the_cache() -> None:
     assert h.hash("s", t) == hash_blocks(t, 16)
 
 
-def test_session_cache_is_bounded_by_sessions_and_tokens() -> None:
-    h = SessionHasher(block_size=16, max_sessions=2, max_tokens=10_000)
-    for s in ("a", "b", "c"):
-        h.hash(s, _tokens(160))
-    assert len(h) == 2
-    h2 = SessionHasher(block_size=16, max_sessions=100, max_tokens=500)
-    h2.hash("a", _tokens(320))
-    h2.hash("b", _tokens(320))  # evicts "a": 640 tokens > 500
-    assert len(h2) == 1
-    reused = h2.reused_blocks
-    h2.hash("a", _tokens(320))
-    assert h2.reused_blocks == reused  # "a" was forgotten
+def test_each_sessions_hashed_prompt_is_kept_in_the_routers_session_state() -> None:
+    sessions = Sessions(max_sessions=100, max_tokens=500)
+    h = SessionHasher(block_size=16, sessions=sessions)
+    h.hash("a", _tokens(320))
+    h.hash("b", _tokens(320))  # evicts "a": 640 tokens > 500
+    assert "a" not in sessions and sessions.get("b", HASHED) is not None
+    reused = h.reused_blocks
+    h.hash("a", _tokens(320))
+    assert h.reused_blocks == reused  # "a" was forgotten

@@ -12,7 +12,8 @@ from tokenizers import AddedToken
 
 from engine.tiny_model import ensure_tiny_model
 from router.block_hash import SessionHasher, hash_blocks
-from router.chat_encoder import SessionChatEncoder, incremental_unsupported
+from router.chat_encoder import CHAT, SessionChatEncoder, incremental_unsupported
+from router.sessions import Sessions
 from router.tokenizer import PromptTokenizer
 
 WORDS = [
@@ -123,15 +124,13 @@ def test_without_a_session_or_after_forget_the_prompt_is_encoded_in_full(tokeniz
     assert enc.reused_tokens == 0
 
 
-def test_memory_is_bounded_by_sessions_and_characters(tokenizer: PromptTokenizer) -> None:
-    enc = SessionChatEncoder(tokenizer, max_sessions=2, max_chars=10_000)
+def test_each_sessions_turn_is_kept_in_the_routers_session_state(tokenizer: PromptTokenizer) -> None:
+    sessions = Sessions(max_sessions=2, max_tokens=10_000)
+    enc = SessionChatEncoder(tokenizer, sessions)
     for sid in ("a", "b", "c"):
         enc.encode(sid, [{"role": "user", "content": "x" * 100}])
-    assert len(enc._sessions) == 2 and "a" not in enc._sessions
-    small = SessionChatEncoder(tokenizer, max_sessions=10, max_chars=300)
-    small.encode("a", [{"role": "user", "content": "y" * 200}])
-    small.encode("b", [{"role": "user", "content": "z" * 200}])  # drops "a": over 300 characters
-    assert list(small._sessions) == ["b"]
+    assert len(sessions) == 2 and "a" not in sessions
+    assert sessions.get("c", CHAT) is not None and sessions.tokens > 0
 
 
 def test_tokenizers_whose_added_tokens_absorb_whitespace_are_encoded_in_full(

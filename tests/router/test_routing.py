@@ -3,8 +3,9 @@ long local prefill, and prefill overflow driven by the router's own queue accoun
 
 from engine.messages import Sampling
 from router.cluster_view import ClusterView
+from router.config import LiveConfig, RouterConfig
 from router.policy.selector import PdservePolicy
-from router.readback import ReadbackTable
+from router.readback import KvPulls, ReadbackTable
 from router.routing import RequestRouter
 
 BS = 16
@@ -26,9 +27,10 @@ def make_router(
         policy=PdservePolicy(),
         block_size=BS,
         has_prefill_pool=prefill,
-        overload_queue_tokens=1_000_000,
-        readback=ReadbackTable(block_size=BS, ttl_s=480) if readback else None,
-        exports=exports,
+        config=(
+            config := LiveConfig(RouterConfig(overload_queue_tokens=1_000_000, kv_readback_exports=exports))
+        ),
+        pulls=KvPulls(ReadbackTable(block_size=BS, ttl_s=480), config) if readback else None,
     )
 
 

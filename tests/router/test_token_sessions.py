@@ -8,6 +8,7 @@ import pytest
 
 from router.api import pdserve_pb2 as pb
 from router.block_hash import SessionHasher, hash_blocks
+from router.sessions import Sessions
 from router.token_sessions import PROMPT_TOKEN_IDS_FIELD, SessionTokenIds, packed_field
 from router.validation import InvalidRequest, ModelLimits, validate_generate
 
@@ -114,7 +115,8 @@ def test_a_prefix_of_ids_is_not_a_prefix_of_bytes_unless_it_is_a_prefix_of_ids()
 @pytest.mark.parametrize("seed", range(6))
 def test_random_sessions_always_get_protobufs_own_ids_and_the_hasher_agrees(seed: int) -> None:
     rng = random.Random(seed)
-    sessions = SessionTokenIds(max_sessions=3, max_tokens=50_000)
+    state = Sessions(max_sessions=3, max_tokens=50_000)
+    sessions = SessionTokenIds(state)
     hasher = SessionHasher(block_size=16)
     prompts: dict[str, list[int]] = {}
     reused_turns = 0
@@ -139,13 +141,14 @@ def test_random_sessions_always_get_protobufs_own_ids_and_the_hasher_agrees(seed
             sessions.finish(turn, got)
             reused_turns += turn.prior is not None
     assert reused_turns > 50
-    assert len(sessions) <= 3
+    assert len(state) <= 3
 
 
 def test_memory_is_bounded_by_tokens() -> None:
-    sessions = SessionTokenIds(max_sessions=10, max_tokens=1000)
+    state = Sessions(max_sessions=10, max_tokens=1000)
+    sessions = SessionTokenIds(state)
     for i in range(5):
         _turn_ids(sessions, list(range(400)), session_id=f"s{i}")
-    assert len(sessions) == 2
+    assert len(state) == 2
     _turn_ids(sessions, list(range(2000)), session_id="big")  # larger than the whole budget: not kept
     assert _turn_ids(sessions, list(range(2001)), session_id="big") == (list(range(2001)), False)

@@ -313,6 +313,7 @@ def test_the_pair_search_finds_the_optimum_of_every_option() -> None:
         balance = Balance(pol.recent, pol.recent_tokens, cfg.balance_weight, cfg.churn_weight)
         scorer = Scorer(pol.weights, prompt, offer(req, decs, decs, matched, prompt.most))
         every = every_option(cfg, scorer, pres, decs, balance)
+        assert all(o.total == o.terms.total for o in every)  # the search's totals are the formula's
         got = pol.choose(req, pres, decs, FixedLookup(blocks))
         best = min(o.total for o in every)
         assert best <= got.cost <= best + TIE_TOLERANCE_S
