@@ -45,9 +45,7 @@ TOPOLOGY = {
     "pools.decode.cpu.threads_bind": ["1", "0"],  # each decode engine a core of its own
     "pools.decode.hang_timeout_s": 3.0,  # a step of the tiny model takes milliseconds
     # Every request (and every continuation) takes the prefill -> NIXL -> decode path, cached or not.
-    "router.local_prefill_max_tokens": 0,
-    "router.long_local_prefill": False,
-    "router.prefill_overflow_queue_s": None,
+    "router.mode": "disaggregate",
 }
 
 

@@ -38,9 +38,7 @@ def _topology(base: Path, out: Path, *, disaggregated: bool) -> dict[str, Any]:
     topo["ray"]["dashboard_port"] = dashboard
     if disaggregated:
         # Every request through prefill -> NIXL -> decode (no local-prefill shortcut): this measures the path.
-        topo["router"]["local_prefill_max_tokens"] = 0
-        topo["router"]["long_local_prefill"] = False
-        topo["router"]["prefill_overflow_queue_s"] = None
+        topo["router"]["mode"] = "disaggregate"
     else:
         topo["pools"]["prefill"]["replicas"] = 0
     out.write_text(yaml.safe_dump(topo))

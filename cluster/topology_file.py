@@ -96,7 +96,10 @@ def _describe_validation_error(message: str, raw: Any) -> tuple[str, str]:
         allowed = _field_names_at(path)
         reason = "unknown key"
         close = difflib.get_close_matches(field, allowed, n=1)
-        if close:
+        moved = _RETIRED.get(f"{path}.{field}" if path else field)
+        if moved:
+            reason += f" ({moved})"
+        elif close:
             reason += f" (did you mean {close[0]!r}?)"
         elif allowed:
             reason += f" (allowed: {', '.join(allowed)})"
@@ -111,6 +114,13 @@ def _describe_validation_error(message: str, raw: Any) -> tuple[str, str]:
             reason += f" (allowed: {', '.join(str(v) for v in values)})"
     return path, reason
 
+
+# Keys earlier versions accepted, and what says the same now.
+_RETIRED = {
+    "router.long_local_prefill": "removed: router.mode auto (the default) offers long local prefills, "
+    "router.mode disaggregate never prefills on decode while a prefill replica can",
+    "router.kv_readback_ttl_s": "moved to pools.kv_readback_ttl_s: the decode engines keep the pins",
+}
 
 _MSGSPEC_TYPE_NAMES = {bool: "bool", int: "int", float: "float", str: "str", list: "array", dict: "object"}
 

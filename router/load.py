@@ -11,7 +11,7 @@ outcome; also releases the prefill work if it never completed).
 
 Queued prefill work is kept in tokens, requests and estimated seconds (`ServiceTimeModel.prefill_s` of each
 prompt's uncached part after its predicted cached part, the estimate the routing cost uses): give the tracker
-the policy's model (`PdservePolicyConfig.weights.timing`).
+the policy's model (`router.service_time`, `PdservePolicy.weights.timing`).
 """
 
 from __future__ import annotations

@@ -7,7 +7,10 @@ router believes and what the engine did is visible.
 
 from __future__ import annotations
 
+import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from router.policy.types import Terms
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
@@ -102,6 +105,15 @@ class RouterMetrics:
             ["reason"],
             registry=r,
         )
+        self.cost_terms = Histogram(
+            "pdserve_routing_cost_term_seconds",
+            "The chosen option's routing cost by term (weighted seconds, router/policy/cost.py): 'prefill', "
+            "'queue', 'pull', 'balance', 'churn', 'decode', 'transfer', 'stall'. Which terms decide where "
+            "requests go; the per-request breakdown is logged at DEBUG (router.routing).",
+            ["term"],
+            buckets=(0.001, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 60.0, 600.0),
+            registry=r,
+        )
         self.chat_tokens = Counter(
             "pdserve_chat_prompt_tokens",
             "Chat prompt token ids by how the router got them: 'encoded' by the tokenizer, or 'reused' from "
@@ -116,6 +128,12 @@ class RouterMetrics:
             ["source"],
             registry=r,
         )
+
+    def on_decision(self, reason: str, terms: Terms | None) -> None:
+        self.decisions.labels(reason=reason).inc()
+        if terms is not None:
+            for term, seconds in msgspec.structs.asdict(terms).items():
+                self.cost_terms.labels(term=term).observe(seconds)
 
     def on_token_ids(self, reused: int, received: int) -> None:
         self.token_id_tokens.labels(source="reused").inc(reused)

@@ -47,6 +47,7 @@ from engine.messages import (
 )
 from router.config import LiveConfig
 from router.leg_order import LegOrder, Ticket
+from router.policy.types import Terms
 from router.readback import block_id_groups, cut_pinned
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,8 @@ class Route(msgspec.Struct, frozen=True, kw_only=True):
     # The policy's reason (`Decision.reason`, e.g. "local_prefill", "prefill_overflow"); "unrouted" when no
     # decode replica was known and Serve chose.
     reason: str = "unrouted"
+    # The chosen option's cost, term by term (`Decision.terms`; None: unrouted or a baseline policy).
+    terms: Terms | None = None
     # Replicas known to have failed, which Serve may still list: never to be chosen for any leg.
     avoid: tuple[str, ...] = ()
 

@@ -98,6 +98,16 @@ class RequestRouter:
             self._admit(request_id, len(prompt), None, None)
             return Route(prefill=self._has_prefill, avoid=self._view.failed_ids())
         d = self._policy.choose(req, prefill, decode, self._view.index)  # NoReplicaError: UNAVAILABLE
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "%s: %s, prefill %s, decode %s, cost %.4g s %s",
+                request_id,
+                d.reason,
+                d.prefill or "-",
+                d.decode,
+                d.cost,
+                msgspec.structs.asdict(d.terms) if d.terms is not None else {},
+            )
         self._view.load.on_dispatch(req, d)
         self._admit(request_id, len(prompt), req, d)
         plan = PullPlan() if pulls is None else pulls.plan(d, offer, session_id, decode)
@@ -113,6 +123,7 @@ class RequestRouter:
             export_replica=plan.export_replica,
             export_tokens=plan.export_tokens,
             reason=d.reason,
+            terms=d.terms,
             avoid=self._view.failed_ids(),
         )
 

@@ -184,7 +184,7 @@ class PdserveService(pb_grpc.PdserveServicer):
                 raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from exc
             except NoEligibleReplica as exc:
                 raise RequestFailed(grpc.StatusCode.UNAVAILABLE, f"no ready replica: {exc}") from exc
-            self._metrics.decisions.labels(reason=chosen.reason).inc()
+            self._metrics.on_decision(chosen.reason, chosen.terms)
             if chosen.readback_tokens:
                 self._metrics.readback_tokens.labels(decode_replica=chosen.readback_replica).inc(
                     chosen.readback_tokens

@@ -19,8 +19,9 @@ tests: the search must find its optimum).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, overload
 
 import msgspec
 
@@ -36,7 +37,7 @@ from router.policy.cost import (
     transfer_term,
 )
 from router.policy.pull import Pull, pull_term, starts_from
-from router.policy.recent_work import RecentWork, pick
+from router.policy.recent_work import TIE_TOLERANCE_S, RecentWork, pick
 from router.policy.types import ReplicaView
 
 Kind = Literal[
@@ -103,25 +104,10 @@ Candidate = tuple[
 DECODE, TOTAL = 1, 14  # a candidate's decode replica and total
 
 
-class _CachedTokens(dict[str, int]):
-    """Prompt tokens each replica's prefix cache can supply, computed for the replicas looked up (a
-    session's next turn on its own replica looks up a few, not the pool), each once."""
-
-    __slots__ = ("block_size", "matched", "most")
-
-    def __init__(self, matched: Mapping[str, int], block_size: int, most: int) -> None:
-        super().__init__()
-        self.matched, self.block_size, self.most = matched, block_size, most
-
-    def __missing__(self, replica_id: str) -> int:
-        tokens = self[replica_id] = min(self.matched[replica_id] * self.block_size, self.most)
-        return tokens
-
-
 class Prompt:
     """The request as the options see it."""
 
-    __slots__ = ("block_size", "cached_by", "max_tokens", "most", "tokens")
+    __slots__ = ("block_size", "matched", "max_tokens", "most", "tokens")
 
     def __init__(self, *, tokens: int, max_tokens: int, block_size: int, matched: Mapping[str, int]) -> None:
         """`matched`: leading blocks each replica holds."""
@@ -129,12 +115,17 @@ class Prompt:
         self.max_tokens = max_tokens
         self.block_size = block_size
         # Cacheable tokens: all but the block holding the last token (vLLM computes at least that).
-        self.most = most = (tokens - 1) // block_size * block_size if tokens > 0 else 0
-        self.cached_by: dict[str, int] = _CachedTokens(matched, block_size, most)
+        self.most = (tokens - 1) // block_size * block_size if tokens > 0 else 0
+        self.matched = matched
 
     def cached(self, replica_id: str) -> int:
         """Prompt tokens `replica_id`'s prefix cache can supply."""
-        return self.cached_by[replica_id]
+        return min(self.matched[replica_id] * self.block_size, self.most)
+
+    def cached_on(self, replicas: Sequence[ReplicaView]) -> list[int]:
+        """`cached` of each replica (in one pass: a decision asks it of every replica it scores)."""
+        m, bs, most = self.matched, self.block_size, self.most
+        return [min(m[r.replica_id] * bs, most) for r in replicas]
 
 
 class Balance(msgspec.Struct, frozen=True):
@@ -188,7 +179,7 @@ class Scorer:
 
     def prefill_sides(self, prefill: Sequence[ReplicaView], balance: Balance) -> PrefillSides:
         """Each prefill replica's part of a disaggregated option (decode and transfer terms to come)."""
-        w, pull, cached = self.w, self.pull, self.prompt.cached_by
+        w, pull = self.w, self.pull
         n = len(prefill)
         spread = n > 1
         zero = [0.0] * n
@@ -202,7 +193,7 @@ class Scorer:
             if spread and balance.tokens_weight
             else zero
         )
-        held = [cached[p.replica_id] for p in prefill]
+        held = self.prompt.cached_on(prefill)
         start = (
             held if pull is None else [starts_from(w, pull, p, c) for p, c in zip(prefill, held, strict=True)]
         )
@@ -221,11 +212,14 @@ class Scorer:
             ]
         return PrefillSides(prefill, held, start, own_s, queued, charges, churns, totals)
 
-    def disaggregated(self, sides: PrefillSides, i: int, d: ReplicaView, decode_s: float) -> Option:
-        """Prefill replica `sides.replicas[i]` computes the prompt, `d` decodes it."""
+    def disaggregated(
+        self, sides: PrefillSides, i: int, d: ReplicaView, d_cached: int, decode_s: float
+    ) -> Option:
+        """Prefill replica `sides.replicas[i]` computes the prompt, `d` (holding `d_cached` tokens) decodes
+        it."""
         w, p = self.w, sides.replicas[i]
         within = p.node_id is not None and p.node_id == d.node_id
-        move = transfer_term(w, self.prompt.tokens - self.prompt.cached_by[d.replica_id], within)
+        move = transfer_term(w, self.prompt.tokens - d_cached, within)
         start, s = sides.start[i], sides
         pulled = start - s.held[i]
         pulling = pull_term(w, self.pull, p, pulled)
@@ -234,13 +228,26 @@ class Scorer:
             pulling, s.balance[i], s.churn[i], decode_s, move, 0.0, s.total[i] + decode_s + move,
         )  # fmt: skip
 
-    def local(self, d: ReplicaView, kind: Kind, decode_s: float) -> Option:
-        """`d` computes the prompt itself and decodes it."""
+    @overload
+    def local(self, d: ReplicaView, cached: int, kind: Kind, decode_s: float) -> Option: ...
+
+    @overload
+    def local(
+        self, d: ReplicaView, cached: int, kind: Kind, decode_s: float, above: float
+    ) -> Option | None: ...
+
+    def local(
+        self, d: ReplicaView, cached: int, kind: Kind, decode_s: float, above: float = math.inf
+    ) -> Option | None:
+        """`d`, holding `cached` tokens, computes the prompt itself and decodes it. None when it costs more
+        than `above` without its queue term (which only adds)."""
         w = self.w
-        cached = self.prompt.cached_by[d.replica_id]
         own_s = self.own_s(cached)
-        prefill, queue = w.prefill * own_s, queue_term(w, d)
+        prefill = w.prefill * own_s
         stall = stall_term(w, d, own_s, long=kind == "long_local_prefill")
+        if prefill + decode_s + stall > above:
+            return None
+        queue = queue_term(w, d)
         return Option(
             kind, d, d, cached, 0, own_s, prefill, queue, 0.0, 0.0, 0.0, decode_s, 0.0, stall,
             prefill + queue + decode_s + stall,
@@ -259,9 +266,9 @@ def candidate_options(
     w, prompt = scorer.w, scorer.prompt
     n, short_max = prompt.tokens, cfg.local_prefill_max_tokens
     auto = cfg.mode == "auto"
-    cached = prompt.cached_by
+    held = prompt.cached_on(decode)
     # Whether each decode replica holds all but a short suffix (then its local prefill is its only option).
-    shorts = [auto and n - cached[d.replica_id] <= short_max for d in decode]
+    shorts = [auto and n - c <= short_max for c in held]
 
     sides: PrefillSides | None = None
     best = -1
@@ -281,22 +288,33 @@ def candidate_options(
             best_on_node[node] = sides.pick(balance.seconds, group)
 
     out: list[Option] = []
-    for d, short in zip(decode, shorts, strict=True):
+    lowest = math.inf  # the lowest total among the options listed so far
+    for d, c, short in zip(decode, held, shorts, strict=True):
         decode_s = decode_term(w, d, n, prompt.max_tokens)
         if sides is None:
-            out.append(scorer.local(d, "local_prefill" if prefill else "no_prefill_replica", decode_s))
+            out.append(scorer.local(d, c, "local_prefill" if prefill else "no_prefill_replica", decode_s))
             continue
         if short:
-            out.append(scorer.local(d, "local_prefill", decode_s))
+            only = scorer.local(d, c, "local_prefill", decode_s)
+            out.append(only)
+            lowest = min(lowest, only.total)
             continue
-        if overflow or auto:
-            out.append(scorer.local(d, "prefill_overflow" if overflow else "long_local_prefill", decode_s))
-        option = scorer.disaggregated(sides, best, d, decode_s)
+        option = scorer.disaggregated(sides, best, d, c, decode_s)
         near = best_on_node.get(d.node_id, best) if d.node_id is not None else best
         if near != best:
-            nearer = scorer.disaggregated(sides, near, d, decode_s)
+            nearer = scorer.disaggregated(sides, near, d, c, decode_s)
             if nearer.total < option.total:
                 option = nearer
+        lowest = min(lowest, option.total)
+        if overflow or auto:
+            # Not offered when it cannot be chosen: more than the tie tolerance above an option already
+            # found (the selector picks within it of the lowest). A cold prompt's prefill on a decode
+            # replica, stalling its batch, rarely is; skipping it keeps a first turn's search cheap.
+            kind: Kind = "prefill_overflow" if overflow else "long_local_prefill"
+            local = scorer.local(d, c, kind, decode_s, above=lowest + TIE_TOLERANCE_S)
+            if local is not None:
+                out.append(local)
+                lowest = min(lowest, local.total)
         out.append(option)
     return out
 
@@ -322,15 +340,16 @@ def every_option(
     )
     out: list[Option] = []
     for d in decode:
+        c = prompt.cached(d.replica_id)
         decode_s = decode_term(w, d, prompt.tokens, prompt.max_tokens)
         if not prefill:
-            out.append(scorer.local(d, "no_prefill_replica", decode_s))
+            out.append(scorer.local(d, c, "no_prefill_replica", decode_s))
             continue
-        if auto and prompt.tokens - prompt.cached(d.replica_id) <= cfg.local_prefill_max_tokens:
-            out.append(scorer.local(d, "local_prefill", decode_s))
+        if auto and prompt.tokens - c <= cfg.local_prefill_max_tokens:
+            out.append(scorer.local(d, c, "local_prefill", decode_s))
             continue
         if auto:
-            out.append(scorer.local(d, "prefill_overflow" if overflow else "long_local_prefill", decode_s))
+            out.append(scorer.local(d, c, "prefill_overflow" if overflow else "long_local_prefill", decode_s))
         assert sides is not None
-        out.extend(scorer.disaggregated(sides, i, d, decode_s) for i in range(len(prefill)))
+        out.extend(scorer.disaggregated(sides, i, d, c, decode_s) for i in range(len(prefill)))
     return out

@@ -4,6 +4,7 @@ long local prefill, and prefill overflow driven by the router's own queue accoun
 from engine.messages import Sampling
 from router.cluster_view import ClusterView
 from router.config import LiveConfig, RouterConfig
+from router.metrics import RouterMetrics
 from router.policy.selector import PdservePolicy
 from router.readback import KvPulls, ReadbackTable
 from router.routing import RequestRouter
@@ -137,3 +138,16 @@ def test_a_backed_up_prefill_pool_overflows_to_the_decode_replica_holding_the_pr
     router.prefill_done("big")
     route = router.route("t2", None, prompt, Sampling(max_tokens=4))
     assert route.prefill_replica == "p0" and route.reason == "disaggregated"
+
+
+def test_the_route_carries_the_winning_options_cost_terms_and_the_metrics_record_them() -> None:
+    route = make_router(readback=False).route("t1", None, PROMPT, Sampling(max_tokens=4))
+    assert route.terms is not None and route.terms.prefill > 0 and route.terms.decode > 0
+    assert route.terms.stall == 0.0 if route.prefill else route.terms.transfer == 0.0
+    metrics = RouterMetrics()
+    metrics.on_decision(route.reason, route.terms)
+    count = metrics.registry.get_sample_value
+    assert count("pdserve_routing_decisions_total", {"reason": route.reason}) == 1
+    for term in ("prefill", "queue", "pull", "balance", "churn", "decode", "transfer", "stall"):
+        assert count("pdserve_routing_cost_term_seconds_count", {"term": term}) == 1
+    assert count("pdserve_routing_cost_term_seconds_sum", {"term": "prefill"}) == route.terms.prefill
