@@ -74,6 +74,11 @@ def main(argv: list[str] | None = None) -> int:
     exp = sub.add_parser("export", help="print the Serve config (or KubeRay RayService) of a topology")
     exp.add_argument("-f", "--file", type=Path, default=DEFAULT_TOPOLOGY, help=topology_help)
     exp.add_argument("--format", choices=["serve", "rayservice"], default="serve")
+    exp.add_argument(
+        "--image",
+        default=None,
+        help="rayservice: the container image every pod runs (default: the pdserve image of this version)",
+    )
 
     plugins = {ep.name: ep for ep in entry_points(group=PLUGIN_GROUP)}
     for name, ep in plugins.items():
@@ -160,7 +165,8 @@ def _export(args: argparse.Namespace) -> int:
     if args.format == "serve":
         print(yaml.safe_dump(compile_serve_config(topo), sort_keys=False))
     else:
-        print(render_rayservice(topo, source=str(args.file)))
+        image = {"image": args.image} if args.image else {}
+        print(render_rayservice(topo, source=str(args.file), **image))
     return 0
 
 

@@ -33,6 +33,13 @@ IMPORT_PATH = "cluster.serve_app:build_app"
 RAY_VERSION = "2.60.0"
 DEFAULT_IMAGE = "pdserve:0.1.0"  # built from this repository: Ray 2.60, vLLM, NIXL and pdserve installed
 HEAD_GROUP = "head"  # the inventory's node group of this name is the Ray head
+# What an exported RayService expects to exist in its namespace: the server's TLS certificate (a
+# kubernetes.io/tls Secret), the bearer token (an Opaque Secret, key `token`), the model (a PVC).
+TLS_SECRET = "pdserve-tls"
+TOKEN_SECRET = "pdserve-auth"
+MODEL_CLAIM = "pdserve-model"
+# Of each node's vCPUs, the share left to the kubelet, system daemons and device plugins.
+_NODE_RESERVED_CPU = 0.1
 REGISTRY = "registry"  # the application's ingress deployment (cluster/registry.py)
 TOPOLOGY_KEY = "topology"  # the registry's user_config key holding the deployed topology
 
@@ -153,7 +160,10 @@ def export_rayservice(
     sized for its replicas. Each group's pods start Ray with the group's labels, which the pools' label
     selectors match.
     """
-    serve_config = compile_serve_config(topo, app_name=app_name)
+    # Every engine runs in a pod of its own: they bind the pod's address (a topology that starts a local
+    # head, ray.address null, binds 127.0.0.1, which other pods cannot reach).
+    in_cluster = msgspec.structs.replace(topo, ray=msgspec.structs.replace(topo.ray, address="auto"))
+    serve_config = compile_serve_config(in_cluster, app_name=app_name)
     groups = topo.nodes if topo.nodes is not None else _groups_for_pools(topo)
     head = next((g for g in groups if g.name == HEAD_GROUP), NodeGroup(name=HEAD_GROUP, cpus=16))
     return {
@@ -165,7 +175,7 @@ def export_rayservice(
             "rayClusterConfig": {
                 "rayVersion": RAY_VERSION,
                 "headGroupSpec": _head_group(head, image, topo),
-                "workerGroupSpecs": [_worker_group(g, image) for g in groups if g.name != HEAD_GROUP],
+                "workerGroupSpecs": [_worker_group(g, image, topo) for g in groups if g.name != HEAD_GROUP],
             },
         },
     }
@@ -175,10 +185,21 @@ def render_rayservice(topo: Topology, *, source: str, image: str = DEFAULT_IMAGE
     """The RayService manifest as YAML text, headed by where it came from (what `pdserve export` writes)."""
     header = (
         f"# Generated from {source} by `pdserve export`; do not edit: edit the topology and regenerate.\n"
-        "# A KubeRay RayService: KubeRay starts the Ray cluster below (a CPU head for Serve's controller\n"
-        "# and pdserve's gRPC front end, GPU worker groups started with the labels the pools select) and\n"
-        "# deploys spec.serveConfigV2, the Serve config pdserve compiles from the topology, on it.\n"
+        "# A KubeRay RayService: KubeRay starts the Ray cluster below (a CPU head for Serve's\n"
+        "# controller and the dashboard, GPU worker groups started with the labels the pools select)\n"
+        "# and deploys spec.serveConfigV2, the Serve config pdserve compiles from the topology (the\n"
+        "# engine pools and the registry), on it. Not in it yet: the router (pdserve's gRPC front\n"
+        "# end), which runs in `pdserve up`.\n"
     )
+    needs = []
+    if not topo.model.source.startswith("builtin:"):
+        needs.append(f"PersistentVolumeClaim {MODEL_CLAIM} (ReadOnlyMany, the model at {topo.model.source})")
+    if topo.server.tls is not None:
+        needs.append(f"Secret {TLS_SECRET} (kubernetes.io/tls: the gRPC endpoint's certificate and key)")
+    if topo.server.auth_token_env:
+        needs.append(f"Secret {TOKEN_SECRET} (key `token`: the clients' bearer token)")
+    if needs:
+        header += "# Expects in its namespace:\n" + "".join(f"#   {need}\n" for need in needs)
     return header + yaml.dump(export_rayservice(topo, image=image), Dumper=_BlockTextDumper, sort_keys=False)
 
 
@@ -221,19 +242,16 @@ def _groups_for_pools(topo: Topology) -> list[NodeGroup]:
 
 
 def _head_group(head: NodeGroup, image: str, topo: Topology) -> dict[str, Any]:
-    params = {"dashboard-host": "0.0.0.0", "num-gpus": "0"}
-    if head.labels:
-        params["labels"] = _ray_labels(head.labels)
-    return {
+    group: dict[str, Any] = {
         # The head runs Serve's controller, the dashboard and pdserve's front end; no engine (num-gpus 0).
-        "rayStartParams": params,
+        "rayStartParams": {"dashboard-host": "0.0.0.0", "num-gpus": "0"},
         "template": {
             "spec": {
                 "containers": [
                     {
                         "name": "ray-head",
                         "image": image,
-                        "resources": {"limits": {"cpu": str(head.cpus)}},
+                        "resources": {"requests": _pod_cpu(head.cpus), "limits": _pod_cpu(head.cpus)},
                         "ports": [
                             {"containerPort": 6379, "name": "gcs"},
                             {"containerPort": topo.ray.dashboard_port, "name": "dashboard"},
@@ -245,13 +263,55 @@ def _head_group(head: NodeGroup, image: str, topo: Topology) -> dict[str, Any]:
             }
         },
     }
+    if head.labels:
+        group["labels"] = dict(head.labels)
+    pod = group["template"]["spec"]
+    (container,) = pod["containers"]
+    _mount_model(pod, container, topo)
+    # The endpoint's certificate and token come from Kubernetes Secrets, never from the manifest.
+    tls = topo.server.tls
+    if tls is not None:
+        files = {tls.cert_file: "tls.crt", tls.key_file: "tls.key"}  # a kubernetes.io/tls Secret's keys
+        pod.setdefault("volumes", []).append({"name": "pdserve-tls", "secret": {"secretName": TLS_SECRET}})
+        container.setdefault("volumeMounts", []).extend(
+            {"name": "pdserve-tls", "mountPath": path, "subPath": key, "readOnly": True}
+            for path, key in files.items()
+        )
+    if topo.server.auth_token_env:
+        env = {"secretKeyRef": {"name": TOKEN_SECRET, "key": "token"}}
+        container.setdefault("env", []).append({"name": topo.server.auth_token_env, "valueFrom": env})
+    return group
 
 
-def _worker_group(group: NodeGroup, image: str) -> dict[str, Any]:
-    limits: dict[str, str] = {"cpu": str(group.cpus)}
+def _mount_model(pod: dict[str, Any], container: dict[str, Any], topo: Topology) -> None:
+    """A model directory (not a built-in model) comes from a read-only volume mounted at its path in every
+    pod: engines load it, the router's tokenizer on the head reads it."""
+    if topo.model.source.startswith("builtin:"):
+        return
+    claim = {"claimName": MODEL_CLAIM, "readOnly": True}
+    pod.setdefault("volumes", []).append({"name": "model", "persistentVolumeClaim": claim})
+    container.setdefault("volumeMounts", []).append(
+        {"name": "model", "mountPath": topo.model.source, "readOnly": True}
+    )
+
+
+def _pod_cpu(node_cpus: int) -> dict[str, str]:
+    """The CPU a node's one Ray pod asks for: the node's, less what the kubelet and daemons keep (a pod
+    asking for every vCPU would stay Pending)."""
+    return {"cpu": str(max(1, node_cpus - max(1, math.ceil(node_cpus * _NODE_RESERVED_CPU))))}
+
+
+def _worker_group(group: NodeGroup, image: str, topo: Topology) -> dict[str, Any]:
+    requests = _pod_cpu(group.cpus)
     if group.gpus:
-        limits["nvidia.com/gpu"] = str(group.gpus)
-    container: dict[str, Any] = {"name": "ray-worker", "image": image, "resources": {"limits": limits}}
+        requests["nvidia.com/gpu"] = str(group.gpus)
+    requests.update((name, str(n)) for name, n in group.devices.items())
+    limits = dict(requests)
+    container: dict[str, Any] = {
+        "name": "ray-worker",
+        "image": image,
+        "resources": {"requests": requests, "limits": limits},
+    }
     if group.gpus:
         # NIXL moves KV over RDMA (UCX): registering GPU/host memory needs IPC_LOCK, and NCCL/vLLM need a
         # large /dev/shm.
@@ -260,18 +320,17 @@ def _worker_group(group: NodeGroup, image: str) -> dict[str, Any]:
     spec: dict[str, Any] = {"containers": [container]}
     if group.gpus:
         spec["volumes"] = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
-    labels = _ray_labels(group.labels)
-    return {
+    _mount_model(spec, container, topo)
+    out: dict[str, Any] = {
         "groupName": group.name,
         "replicas": group.count,
         "minReplicas": group.count,
         "maxReplicas": group.count,
-        # `ray start --labels role=decode,...`: the label selectors of the pools' bundles match these.
-        "rayStartParams": {"labels": labels} if labels else {},
+        "rayStartParams": {},
         "template": {"spec": spec},
     }
-
-
-def _ray_labels(labels: dict[str, str]) -> str:
-    """The `ray start --labels` form: key=value,key=value."""
-    return ",".join(f"{k}={v}" for k, v in labels.items())
+    if group.labels:
+        # KubeRay starts the group's Ray nodes with these labels (the pools' bundle selectors match them);
+        # it refuses them in rayStartParams.
+        out["labels"] = dict(group.labels)
+    return out

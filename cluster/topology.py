@@ -207,6 +207,9 @@ class NodeGroup(_Config, frozen=True, kw_only=True):
     gpus: NonNegativeInt = 0
     cpus: PositiveInt
     count: PositiveInt = 1
+    # Other devices each node's pod asks Kubernetes for, by resource name: the RDMA NICs NIXL (UCX) and
+    # NCCL use across nodes, e.g. {"vpc.amazonaws.com/efa": 16} or {"rdma/ib": 1} (`pdserve export`).
+    devices: dict[str, PositiveInt] = {}
 
 
 # How `pdserve apply` changes a field of a running cluster (msgspec metadata; cluster/apply.py reads it, the

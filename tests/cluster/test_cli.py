@@ -120,3 +120,11 @@ def test_joining_a_cluster_without_a_token_says_what_to_do_in_one_line(
     )
     assert str(tmp_path / ".ray" / "auth_token") in err and "RAY_AUTH_TOKEN" in err
     assert not (tmp_path / ".ray").exists()  # nothing made up for someone else's cluster
+
+
+def test_export_names_the_image_every_pod_runs() -> None:
+    h200 = str(ROOT / "deploy" / "h200-kimi-k2.yaml")
+    out = run_cli("export", "-f", h200, "--format", "rayservice", "--image", "registry.example/pdserve:1.2")
+    assert out.returncode == 0, out.stderr
+    images = {line.split("image:")[1].strip() for line in out.stdout.splitlines() if "image:" in line}
+    assert images == {"registry.example/pdserve:1.2"}

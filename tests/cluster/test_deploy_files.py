@@ -121,6 +121,15 @@ def test_launcher_starts_the_h200_inventory_with_its_labels() -> None:
             assert node_type["min_workers"] == node_type["max_workers"] == group.count
 
 
+def test_launcher_gives_gpu_and_rdma_devices_to_the_gpu_workers_only() -> None:
+    # `--gpus all` or `--device /dev/infiniband` on the CPU head stops its container from starting.
+    docker = yaml.safe_load((DEPLOY / "ray-cluster-h200.yaml").read_text())["docker"]
+    everywhere = " ".join(docker.get("run_options", []) + docker.get("head_run_options", []))
+    assert "--gpus" not in everywhere and "/dev/infiniband" not in everywhere
+    workers = " ".join(docker["worker_run_options"])
+    assert "--gpus all" in workers and "--device /dev/infiniband" in workers
+
+
 def _ray_labels(labels: dict[str, str]) -> str:
     return ",".join(f"{k}={v}" for k, v in labels.items())
 

@@ -170,14 +170,19 @@ def test_rayservice_embeds_the_serve_config_and_labelled_worker_groups() -> None
     assert (manifest["apiVersion"], manifest["kind"]) == ("ray.io/v1", "RayService")
     assert manifest["metadata"]["name"] == "kimi"
     spec = manifest["spec"]
-    assert yaml.safe_load(spec["serveConfigV2"]) == compile_serve_config(topo)
+    # The topology's own Serve config, as run inside the cluster (engines bind their pod's address).
+    in_cluster = msgspec.structs.replace(topo, ray=msgspec.structs.replace(topo.ray, address="auto"))
+    assert yaml.safe_load(spec["serveConfigV2"]) == compile_serve_config(in_cluster)
     cluster = spec["rayClusterConfig"]
     assert cluster["headGroupSpec"]["rayStartParams"]["num-gpus"] == "0"
     # Without an inventory: one group per pool, sized for its replicas.
     groups = {g["groupName"]: g for g in cluster["workerGroupSpecs"]}
     assert groups["prefill"]["replicas"] == 2
     assert groups["decode"]["replicas"] == 6  # 3 replicas x 2 nodes
-    assert groups["decode"]["rayStartParams"]["labels"] == "role=decode"
+    assert (
+        groups["decode"]["labels"] == {"role": "decode"}
+        and "labels" not in groups["decode"]["rayStartParams"]
+    )
     (container,) = groups["decode"]["template"]["spec"]["containers"]
     assert container["image"] == "registry/pdserve:1"
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "8"
@@ -194,10 +199,10 @@ nodes:
 """
     )
     cluster = export_rayservice(topo)["spec"]["rayClusterConfig"]
-    assert cluster["headGroupSpec"]["rayStartParams"]["labels"] == "role=head"
+    assert cluster["headGroupSpec"]["labels"] == {"role": "head"}
     groups = {g["groupName"]: g for g in cluster["workerGroupSpecs"]}
     assert set(groups) == {"p", "d"}
-    assert groups["d"]["rayStartParams"]["labels"] == "role=decode,zone=a"
+    assert groups["d"]["labels"] == {"role": "decode", "zone": "a"}
     assert groups["d"]["replicas"] == 6
 
 
