@@ -125,8 +125,9 @@ class Sessions:
             self._evict(keep=None)
 
     def _drop(self, state: _State, part: Part[Any]) -> None:
-        if state.parts.pop(part, None) is not None or part in state.sizes:
-            size = state.sizes.pop(part, 0)
+        if part in state.parts:
+            del state.parts[part]
+            size = state.sizes.pop(part)
             state.total -= size
             self._tokens -= size
 

@@ -9,8 +9,9 @@
          + w_stall    * prefill_s * (active(D) + 1)               C is D (local prefill): D's batch waits
 
 C is the replica that computes the prompt: a prefill replica (disaggregated) or the decode replica D itself
-(local prefill: no transfer, and its batch waits). `router.policy.options` enumerates the options, this
-module scores one (`Terms`, whose `total` the selector compares), `router.policy.selector` picks. Every time
+(local prefill: no transfer, and its batch waits). This module holds the terms; `router.policy.options`
+enumerates the options and adds each one's terms up (`Option.terms`, `Terms.total`), `router.policy.selector`
+picks. Every time
 comes from `router.policy.service_time.ServiceTimeModel`, the model the trace replay charges, so a cached
 token is worth what it saves (a hit on a long context saves attention over all of it). `out` is the request's
 `max_tokens` capped at `max_output_tokens` (clients often send a large ceiling).
@@ -30,7 +31,7 @@ import msgspec
 
 from router.config import RouterConfig
 from router.policy.service_time import ServiceTimeModel
-from router.policy.types import ReplicaView, Terms
+from router.policy.types import ReplicaView
 
 NonNegative = Annotated[float, msgspec.Meta(ge=0)]
 
@@ -106,28 +107,3 @@ def transfer_term(w: CostWeights, tokens: int, within_node: bool) -> float:
 
 def same_node(a: ReplicaView, b: ReplicaView) -> bool:
     return a.node_id is not None and a.node_id == b.node_id
-
-
-def cost(
-    w: CostWeights,
-    num_prompt_tokens: int,
-    max_tokens: int,
-    computing: ReplicaView,
-    cached_on_computing: int,
-    decode: ReplicaView,
-    cached_on_decode: int,
-    *,
-    long_stall: bool = False,
-) -> Terms:
-    """Score computing the prompt on `computing` and decoding on `decode` (the same replica: local
-    prefill; `long_stall`: a long local prefill), without pulls or balance charges (`options` adds those)."""
-    own = estimated_prefill_s(w.timing, num_prompt_tokens, cached_on_computing)
-    local = computing.replica_id == decode.replica_id
-    move = num_prompt_tokens - cached_on_decode
-    return Terms(
-        prefill=w.prefill * own,
-        queue=queue_term(w, computing),
-        decode=decode_term(w, decode, num_prompt_tokens, max_tokens),
-        transfer=0.0 if local else transfer_term(w, move, same_node(computing, decode)),
-        stall=stall_term(w, decode, own, long=long_stall) if local else 0.0,
-    )

@@ -28,17 +28,17 @@ import msgspec
 from router.config import RouterConfig
 from router.policy.cost import (
     CostWeights,
-    Terms,
     decode_term,
     estimated_prefill_s,
     queue_term,
     queued_prefill_s,
+    same_node,
     stall_term,
     transfer_term,
 )
 from router.policy.pull import Pull, pull_term, starts_from
 from router.policy.recent_work import TIE_TOLERANCE_S, RecentWork, pick
-from router.policy.types import ReplicaView
+from router.policy.types import ReplicaView, Terms
 
 Kind = Literal[
     "disaggregated", "local_prefill", "long_local_prefill", "prefill_overflow", "no_prefill_replica"
@@ -80,28 +80,6 @@ class Option(msgspec.Struct, frozen=True, gc=False):
             transfer=self.transfer,
             stall=self.stall,
         )
-
-
-# An option before it is built: `Option`'s fields in order. The search builds thousands per second and
-# compares them by total; only the winner becomes an `Option` (`Option(*candidate)`).
-Candidate = tuple[
-    Kind,
-    ReplicaView,
-    ReplicaView,
-    int,
-    int,
-    float,
-    float,
-    float,
-    float,
-    float,
-    float,
-    float,
-    float,
-    float,
-    float,
-]
-DECODE, TOTAL = 1, 14  # a candidate's decode replica and total
 
 
 class Prompt:
@@ -218,8 +196,7 @@ class Scorer:
         """Prefill replica `sides.replicas[i]` computes the prompt, `d` (holding `d_cached` tokens) decodes
         it."""
         w, p = self.w, sides.replicas[i]
-        within = p.node_id is not None and p.node_id == d.node_id
-        move = transfer_term(w, self.prompt.tokens - d_cached, within)
+        move = transfer_term(w, self.prompt.tokens - d_cached, same_node(p, d))
         start, s = sides.start[i], sides
         pulled = start - s.held[i]
         pulling = pull_term(w, self.pull, p, pulled)
@@ -332,12 +309,7 @@ def every_option(
     sides = scorer.prefill_sides(prefill, balance) if prefill else None
     limit = cfg.prefill_overflow_queue_s
     w = scorer.w
-    overflow = (
-        auto
-        and bool(prefill)
-        and limit is not None
-        and min(queued_prefill_s(w.timing, p) for p in prefill) >= limit
-    )
+    overflow = auto and sides is not None and limit is not None and min(sides.queued) >= limit
     out: list[Option] = []
     for d in decode:
         c = prompt.cached(d.replica_id)

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
-from router.policy.cost import CostWeights, queued_prefill_s, transfer_term
+from router.policy.cost import CostWeights, queued_prefill_s, same_node, transfer_term
 from router.policy.types import ReplicaView, RouteRequest
 
 
@@ -38,6 +38,8 @@ def offer(
 ) -> Pull | None:
     """The longest prefix this request could pull, or None. `matched`: leading blocks each replica's prefix
     cache holds; `most`: the prompt's cacheable tokens."""
+    if req.readback is None and req.export_ttl_s is None:
+        return None  # readback off
     best: Pull | None = None
     rb = req.readback
     if rb is not None:
@@ -63,5 +65,4 @@ def pull_term(w: CostWeights, pull: Pull | None, p: ReplicaView, pulled: int) ->
     """Weighted seconds of pulling `pulled` tokens to `p`."""
     if pull is None or pulled <= 0:
         return 0.0
-    node = pull.source.node_id
-    return transfer_term(w, pulled, node is not None and node == p.node_id)
+    return transfer_term(w, pulled, same_node(pull.source, p))

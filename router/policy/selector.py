@@ -111,9 +111,7 @@ class PdservePolicy:
             block_size=req.block_size,
             matched=matched,
         )
-        pull = None
-        if pres and (req.readback is not None or req.export_ttl_s is not None):
-            pull = offer(req, decode, decs, matched, prompt.most)
+        pull = offer(req, decode, decs, matched, prompt.most) if pres else None
         candidates, affinity = self._candidates(decs, session)
         scorer = Scorer(self.weights, prompt, pull)
         options = candidate_options(self.config, scorer, pres, candidates, self._balance)

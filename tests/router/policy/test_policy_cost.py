@@ -6,10 +6,37 @@ import pytest
 from policy_helpers import BS, view
 
 from router.config import RouterConfig
-from router.policy.cost import CostWeights, cached_tokens, cost, estimated_prefill_s, queue_term
+from router.policy.cost import CostWeights, cached_tokens, decode_term, estimated_prefill_s, queue_term
+from router.policy.options import Balance, Prompt, Scorer
+from router.policy.recent_work import RecentWork
+from router.policy.types import ReplicaView, Terms
 
 W = CostWeights.of(RouterConfig())
 T = W.timing
+
+
+def cost(
+    w: CostWeights,
+    tokens: int,
+    max_tokens: int,
+    computing: ReplicaView,
+    cached_on_computing: int,
+    decode: ReplicaView,
+    cached_on_decode: int,
+    *,
+    long_stall: bool = False,
+) -> Terms:
+    """The terms the options give computing the prompt on `computing` and decoding on `decode` (the same
+    replica: a local prefill; `long_stall`: a long one), without pulls or balance charges."""
+    matched = {computing.replica_id: cached_on_computing, decode.replica_id: cached_on_decode}
+    prompt = Prompt(tokens=tokens, max_tokens=max_tokens, block_size=1, matched=matched)
+    scorer = Scorer(w, prompt, None)
+    decode_s = decode_term(w, decode, tokens, max_tokens)
+    if computing.replica_id == decode.replica_id:
+        kind = "long_local_prefill" if long_stall else "local_prefill"
+        return scorer.local(decode, cached_on_decode, kind, decode_s).terms
+    sides = scorer.prefill_sides([computing], Balance(RecentWork(), RecentWork(), 0.0, 0.0))
+    return scorer.disaggregated(sides, 0, decode, cached_on_decode, decode_s).terms
 
 
 def test_cached_tokens_keeps_the_last_token_to_compute() -> None:
