@@ -26,7 +26,7 @@ from typing import Any
 import msgspec
 
 from cluster.placement import placement_specs, wait_for_placement
-from cluster.serve_config import REGISTRY, compile_serve_config, running_topology
+from cluster.serve_config import REGISTRY, compile_serve_config, running_topology, serves_router
 from cluster.topology import Topology
 
 _ROLLOUT_KEYS = {"max_surge_percent", "rolling_update_percentage"}
@@ -206,7 +206,9 @@ async def apply_topology(
         return ApplyResult(changes=changes, actions=actions, applied=False)
 
     before = set(_replica_states(details, app_name))
-    config = compile_serve_config(new, app_name=app_name)
+    # The same application shape as deployed: one that runs its own router keeps it.
+    own_router = serves_router(app["deployed_app_config"])
+    config = compile_serve_config(new, app_name=app_name, serve_router=own_router)
     started = time.monotonic()
     await asyncio.to_thread(client.deploy_applications, config)
     rolled = {a.deployment for a in actions if a.action == "roll"}

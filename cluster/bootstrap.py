@@ -182,6 +182,35 @@ def deploy(serve_config: dict[str, Any], dashboard_url: str) -> None:
     ServeSubmissionClient(dashboard_url).deploy_applications(serve_config)
 
 
+def delete_application(dashboard_url: str, app_name: str, timeout_s: float = 660.0) -> bool:
+    """Remove the application from a Ray cluster pdserve did not start (its Ray keeps running), through the
+    dashboard's Serve REST API, and wait until Serve has drained and stopped its replicas. False if it was
+    not deployed. Other applications on the cluster are redeployed unchanged (Serve's config is the whole
+    set of applications)."""
+    from ray.dashboard.modules.serve.sdk import ServeSubmissionClient
+
+    client = ServeSubmissionClient(dashboard_url)
+    details = client.get_serve_details()
+    apps = details.get("applications") or {}
+    if app_name not in apps:
+        return False
+    others = [a["deployed_app_config"] for name, a in apps.items() if name != app_name]
+    if others:
+        config = {"applications": others}
+        for key in ("proxy_location", "http_options", "grpc_options"):
+            if details.get(key) is not None:
+                config[key] = details[key]
+        client.deploy_applications(config)
+    else:
+        client.delete_applications()
+    deadline = time.monotonic() + timeout_s
+    while app_name in (client.get_serve_details().get("applications") or {}):
+        if time.monotonic() > deadline:
+            raise BootstrapError(f"application {app_name} still stopping after {timeout_s:.0f} s")
+        time.sleep(1.0)
+    return True
+
+
 def wait_until_running(
     app_name: str,
     timeout_s: float,

@@ -1,10 +1,11 @@
 """The `pdserve` command line.
 
 pdserve up [-f deploy/local.yaml]      start Ray (local head), deploy the Serve app, serve gRPC (foreground)
-pdserve down                           stop what `pdserve up` started
+pdserve down [--address URL]           stop what `pdserve up` started (or remove pdserve from a cluster)
 pdserve generate "prompt" [...]        one request through the gRPC endpoint
 pdserve apply -f FILE [--dry-run]      show the diff and change the running cluster to match FILE
 pdserve status [--json]                replicas: role, state, node, GPUs, placement group, load
+  (down, apply and status take --address http://HOST:8265: a cluster `pdserve up` did not start)
 pdserve validate -f FILE               check a topology file
 pdserve export -f FILE                 the Serve config (or a KubeRay RayService) a topology compiles to
 pdserve replay ...                     replay real traces through the routing policies (virtual time)
@@ -50,7 +51,14 @@ def main(argv: list[str] | None = None) -> int:
     up = sub.add_parser("up", help="start a cluster and serve (foreground; Ctrl-C stops everything)")
     up.add_argument("-f", "--file", type=Path, default=DEFAULT_TOPOLOGY, help=topology_help)
 
-    sub.add_parser("down", help="stop the cluster `pdserve up` started")
+    address_help = (
+        "the Ray dashboard (http://HOST:8265) of a cluster running pdserve that `pdserve up` did not start "
+        "(KubeRay, the launcher, `serve deploy`); the Ray token: RAY_AUTH_TOKEN or ~/.ray/auth_token"
+    )
+    down = sub.add_parser(
+        "down", help="stop the cluster `pdserve up` started (or remove pdserve from --address)"
+    )
+    down.add_argument("--address", default=None, help=address_help)
 
     gen = sub.add_parser("generate", help="send one request to the gRPC endpoint")
     gen.add_argument("prompt")
@@ -64,9 +72,17 @@ def main(argv: list[str] | None = None) -> int:
     apply = sub.add_parser("apply", help="change the running cluster to match a topology file")
     apply.add_argument("-f", "--file", type=Path, required=True, help=topology_help)
     apply.add_argument("--dry-run", action="store_true", help="validate and show the diff only")
+    apply.add_argument("--address", default=None, help=address_help)
 
     status = sub.add_parser("status", help="replicas: role, state, node, GPUs, placement group, load")
     status.add_argument("--json", action="store_true")
+    status.add_argument("--address", default=None, help=address_help)
+    status.add_argument(
+        "--target",
+        default=None,
+        help="with --address: the router's host:port, for readiness and load (default: the dashboard's host "
+        "and the deployed gRPC port)",
+    )
 
     val = sub.add_parser("validate", help="check a topology file")
     val.add_argument("-f", "--file", type=Path, required=True, help=topology_help)
@@ -163,7 +179,8 @@ def _export(args: argparse.Namespace) -> int:
 
     topo = _load(args.file)
     if args.format == "serve":
-        print(yaml.safe_dump(compile_serve_config(topo), sort_keys=False))
+        # For `serve deploy` on a Ray cluster nobody runs `pdserve up` on: the application serves its router.
+        print(yaml.safe_dump(compile_serve_config(topo, serve_router=True), sort_keys=False))
     else:
         image = {"image": args.image} if args.image else {}
         print(render_rayservice(topo, source=str(args.file), **image))
@@ -315,13 +332,27 @@ def _teardown(own_ray_address: str | None, started_wall: float) -> None:
 
 def _down(args: argparse.Namespace) -> int:
     from cluster.bootstrap import (
+        APP_NAME,
         BootstrapError,
         RunState,
+        delete_application,
         remove_leaked_shm,
         signal_up_process,
         stop_local_ray,
     )
 
+    if args.address:
+        dashboard = _dashboard_url(args.address)
+        try:
+            removed = _reach(dashboard, lambda: delete_application(dashboard, APP_NAME))
+        except BootstrapError as exc:
+            raise _UserError(str(exc)) from exc
+        print(
+            f"pdserve down: application {APP_NAME} removed from {dashboard} (Ray keeps running)"
+            if removed
+            else f"pdserve down: no application {APP_NAME} on {dashboard}"
+        )
+        return 0
     state = RunState.load()
     if state is None:
         print("pdserve down: no cluster is up")
@@ -397,15 +428,40 @@ def _running_cluster() -> Any:
     return state
 
 
+def _dashboard_url(address: str) -> str:
+    return address.rstrip("/") if "://" in address else f"http://{address.rstrip('/')}"
+
+
+def _reach(dashboard: str, call: Callable[[], Any]) -> Any:
+    """Run a dashboard call; a cluster that cannot be reached or refuses the token is a one-line error."""
+    from ray.exceptions import AuthenticationError
+    from requests.exceptions import ConnectionError as HttpConnectionError
+
+    try:
+        return call()
+    except AuthenticationError as exc:
+        raise _UserError(
+            f"the Ray dashboard at {dashboard} refused this machine's Ray auth token: use that cluster's "
+            "(`ray get-auth-token` on its head) in RAY_AUTH_TOKEN or ~/.ray/auth_token"
+        ) from exc
+    except HttpConnectionError as exc:
+        raise _UserError(f"cannot reach the Ray dashboard at {dashboard}: {type(exc).__name__}") from exc
+    except RuntimeError as exc:  # the SDK's answer to a non-200 reply (e.g. 401: the Ray token)
+        raise _UserError(f"the Ray dashboard at {dashboard} refused the request: {str(exc)[:300]}") from exc
+
+
 def _apply(args: argparse.Namespace) -> int:
     from cluster.apply import ApplyError, apply_topology
     from cluster.bootstrap import APP_NAME
 
     topo = _load(args.file)
-    state = _running_cluster()
+    dashboard = _dashboard_url(args.address) if args.address else _running_cluster().dashboard_url
     try:
-        asyncio.run(
-            apply_topology(topo, dashboard_url=state.dashboard_url, app_name=APP_NAME, dry_run=args.dry_run)
+        _reach(
+            dashboard,
+            lambda: asyncio.run(
+                apply_topology(topo, dashboard_url=dashboard, app_name=APP_NAME, dry_run=args.dry_run)
+            ),
         )
     except ApplyError as exc:
         raise _UserError(str(exc)) from exc
@@ -414,10 +470,24 @@ def _apply(args: argparse.Namespace) -> int:
 
 def _status(args: argparse.Namespace) -> int:
     from cluster.bootstrap import APP_NAME
-    from cluster.status import collect_status, fetch_registry, render_json, render_table
+    from cluster.status import (
+        collect_status,
+        fetch_registry,
+        registry_through_router,
+        render_json,
+        render_table,
+    )
 
-    state = _running_cluster()
-    registry = fetch_registry(state.ray_address, APP_NAME, local=state.started_ray)
-    status = collect_status(state.dashboard_url, APP_NAME, registry)
+    if args.address:
+        # Not a Ray node: the registry is read through the router's endpoint.
+        dashboard = _dashboard_url(args.address)
+        registry, unread = _reach(
+            dashboard, lambda: registry_through_router(dashboard, APP_NAME, args.target)
+        )
+    else:
+        state = _running_cluster()
+        dashboard, unread = state.dashboard_url, ""
+        registry = fetch_registry(state.ray_address, APP_NAME, local=state.started_ray)
+    status = _reach(dashboard, lambda: collect_status(dashboard, APP_NAME, registry, registry_unread=unread))
     print(render_json(status) if args.json else render_table(status))
     return 0

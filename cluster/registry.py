@@ -30,16 +30,20 @@ class Registry:
         self._reported: dict[str, str] = {}
         # Per-replica slots (e.g. a CPU engine's cores): replica id -> (role, slot, when claimed).
         self._slots: dict[str, tuple[str, int, float]] = {}
-        self._router_config: dict[str, Any] | None = None
+        self._topology: dict[str, Any] | None = None
 
     def reconfigure(self, config: dict[str, Any]) -> None:
         """Serve calls this with the deployment's user_config: the deployed topology
         (cluster/serve_config.py), which `pdserve apply` reads back. Routers follow its `router` section."""
-        self._router_config = (config.get("topology") or {}).get("router")
+        self._topology = config.get("topology")
+
+    def topology(self) -> dict[str, Any] | None:
+        """The deployed topology (plain data): what a router started as a Serve replica serves."""
+        return self._topology
 
     def router_config(self) -> dict[str, Any] | None:
         """The deployed topology's `router` section (plain data; the router validates it)."""
-        return self._router_config
+        return (self._topology or {}).get("router")
 
     def publish(self, info: ReplicaInfo) -> None:
         self._entries[info.replica_id] = (info, time.monotonic())

@@ -1,14 +1,16 @@
 """The Serve application that a topology compiles to (import path `cluster.serve_app:build_app`).
 
-Deployments: `prefill` (omitted when the topology has no prefill replicas), `decode`, and `registry`, the
-application's ingress, which binds the engine pools so that Serve deploys them and keeps the replica
-registry. Placement, replica counts and scaling come from the Serve config that cluster/serve_config.py
-compiles from the same topology; this module only says what each replica runs.
+Deployments: `prefill` (omitted when the topology has no prefill replicas), `decode`, and `registry`, which
+binds the engine pools so that Serve deploys them and keeps the replica registry. The registry is the
+application's ingress, unless the application serves its own router (`router`, cluster/router_replica.py:
+a cluster nobody runs `pdserve up` on), which then binds the registry. Placement, replica counts and
+scaling come from the Serve config that cluster/serve_config.py compiles from the same topology; this
+module only says what each replica runs.
 
-The application's `args` are only the roles it has (`{"roles": ["decode", "prefill"]}`): Serve gives every
-deployment of a config-deployed application one version, a hash of `args`, so whatever `args` carried would
-restart every pool when it changed. Each pool's EngineSpec reaches its replicas through the deployment's
-own `ray_actor_options` instead (engine/spec.py), which Serve versions per deployment.
+The application's `args` are only its shape (`{"roles": ["decode", "prefill"]}`, and `"router": true`):
+Serve gives every deployment of a config-deployed application one version, a hash of `args`, so whatever
+`args` carried would restart every pool when it changed. Each pool's EngineSpec reaches its replicas through
+the deployment's own `ray_actor_options` instead (engine/spec.py), which Serve versions per deployment.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from ray import serve
 from ray.serve import Application
 
 from cluster.registry import Registry
+from cluster.router_replica import ROUTER, RouterReplica
 from cluster.topology import Pool, Topology
 from decode.server import DecodeServer
 from engine.replica import EngineReplica
@@ -46,6 +49,11 @@ def engine_spec(topo: Topology, role: str) -> EngineSpec:
     gpu = pool.gpus_per_replica > 0
     if gpu:
         args["gpu_memory_utilization"] = engine.gpu_memory_utilization
+    if pool.gpus_per_replica > 1:
+        # One Ray worker per GPU bundle of the replica's placement group (vLLM finds the group from the
+        # replica actor, which Serve places in it). Left to itself vLLM would pick multiprocessing, which
+        # sees no GPU in an actor that holds none, and refuses a world larger than one node's GPUs.
+        args["distributed_executor_backend"] = "ray"
     args.update(engine.extra)
     return EngineSpec(
         role="prefill" if role == "prefill" else "decode",
@@ -71,13 +79,19 @@ def _threads_binds(bind: str | list[str]) -> list[str]:
     return [bind] if isinstance(bind, str) else list(bind)
 
 
-def app_args(topo: Topology) -> dict[str, Any]:
-    """The application's `args`: what changes only with a restart of the whole application."""
-    return {"roles": [role for role, pool in topo.pools.items() if pool.replicas > 0]}
+def app_args(topo: Topology, *, serve_router: bool = False) -> dict[str, Any]:
+    """The application's `args`: what changes only with a restart of the whole application. `serve_router`:
+    the router runs as a deployment of the application rather than in `pdserve up`."""
+    args: dict[str, Any] = {"roles": [role for role, pool in topo.pools.items() if pool.replicas > 0]}
+    if serve_router:
+        args["router"] = True
+    return args
 
 
 def build_app(args: dict[str, Any]) -> Application:
     servers: dict[str, type[EngineReplica]] = {"prefill": PrefillServer, "decode": DecodeServer}
     pools = [serve.deployment(name=role)(servers[role]).bind() for role in args["roles"]]
-    registry = serve.deployment(name="registry", ray_actor_options={"num_cpus": 0})(Registry)
-    return registry.bind(*pools)
+    registry = serve.deployment(name="registry", ray_actor_options={"num_cpus": 0})(Registry).bind(*pools)
+    if not args.get("router"):
+        return registry
+    return serve.deployment(name=ROUTER)(RouterReplica).bind(registry)

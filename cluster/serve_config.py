@@ -24,6 +24,7 @@ from typing import Any
 import msgspec
 import yaml
 
+from cluster.router_replica import router_deployment_config
 from cluster.serve_app import app_args, engine_spec
 from cluster.topology import NodeGroup, Pool, Topology, TopologyError
 from engine.spec import EngineSpec, spec_env
@@ -44,24 +45,30 @@ REGISTRY = "registry"  # the application's ingress deployment (cluster/registry.
 TOPOLOGY_KEY = "topology"  # the registry's user_config key holding the deployed topology
 
 
-def compile_serve_config(topo: Topology, *, app_name: str = "pdserve") -> dict[str, Any]:
-    """The topology's Serve deploy config (ServeDeploySchema): one application, a deployment per pool."""
+def compile_serve_config(
+    topo: Topology, *, app_name: str = "pdserve", serve_router: bool = False
+) -> dict[str, Any]:
+    """The topology's Serve deploy config (ServeDeploySchema): one application, a deployment per pool.
+    `serve_router`: the application runs its own router (cluster/router_replica.py) for clusters that no
+    `pdserve up` runs on; `pdserve up` runs the router in its own process."""
     deployments = [
         _deployment(role, pool, engine_spec(topo, role))
         for role, pool in topo.pools.items()
         if pool.replicas > 0
     ]  # a prefill pool of 0 replicas is left out: decode then prefills everything itself
     deployments.append({"name": REGISTRY, "user_config": {TOPOLOGY_KEY: msgspec.to_builtins(topo)}})
+    if serve_router:
+        deployments.append(router_deployment_config())
     return {
-        # pdserve serves its own gRPC endpoint from a standalone process holding deployment handles, so
-        # Serve's HTTP/gRPC proxies would only take ports and CPU.
+        # pdserve's router serves its own gRPC endpoint (from `pdserve up` or its replica), so Serve's
+        # HTTP/gRPC proxies would only take ports and CPU.
         "proxy_location": "Disabled",
         "applications": [
             {
                 "name": app_name,
                 "route_prefix": None,  # no HTTP ingress
                 "import_path": IMPORT_PATH,
-                "args": app_args(topo),
+                "args": app_args(topo, serve_router=serve_router),
                 "deployments": deployments,
             }
         ],
@@ -72,6 +79,11 @@ def running_topology(app_config: dict[str, Any]) -> Topology:
     """The topology a deployed application config (Serve's `deployed_app_config`) was compiled from."""
     registry = next(d for d in app_config.get("deployments") or [] if d.get("name") == REGISTRY)
     return msgspec.convert(registry["user_config"][TOPOLOGY_KEY], Topology)
+
+
+def serves_router(app_config: dict[str, Any]) -> bool:
+    """Whether a deployed application runs its own router (an update must keep it: cluster/apply.py)."""
+    return bool((app_config.get("args") or {}).get("router"))
 
 
 def _deployment(role: str, pool: Pool, spec: EngineSpec) -> dict[str, Any]:
@@ -160,10 +172,7 @@ def export_rayservice(
     sized for its replicas. Each group's pods start Ray with the group's labels, which the pools' label
     selectors match.
     """
-    # Every engine runs in a pod of its own: they bind the pod's address (a topology that starts a local
-    # head, ray.address null, binds 127.0.0.1, which other pods cannot reach).
-    in_cluster = msgspec.structs.replace(topo, ray=msgspec.structs.replace(topo.ray, address="auto"))
-    serve_config = compile_serve_config(in_cluster, app_name=app_name)
+    serve_config = compile_serve_config(in_cluster(topo), app_name=app_name, serve_router=True)
     groups = topo.nodes if topo.nodes is not None else _groups_for_pools(topo)
     head = next((g for g in groups if g.name == HEAD_GROUP), NodeGroup(name=HEAD_GROUP, cpus=16))
     return {
@@ -174,6 +183,9 @@ def export_rayservice(
             "serveConfigV2": yaml.safe_dump(serve_config, sort_keys=False),
             "rayClusterConfig": {
                 "rayVersion": RAY_VERSION,
+                # Ray's token auth on every pod (a Ray cluster runs any code it is sent): KubeRay makes the
+                # token, keeps it in a Secret named after the cluster and sets it in each container.
+                "authOptions": {"mode": "token"},
                 "headGroupSpec": _head_group(head, image, topo),
                 "workerGroupSpecs": [_worker_group(g, image, topo) for g in groups if g.name != HEAD_GROUP],
             },
@@ -181,15 +193,33 @@ def export_rayservice(
     }
 
 
+def in_cluster(topo: Topology) -> Topology:
+    """The topology as it runs in pods: engines bind the pod's address (ray.address null, a local head,
+    would bind 127.0.0.1, which other pods cannot reach), and the router's endpoints listen on the pod's
+    interfaces, where the head's Service reaches them (TLS and the token guard them, not the address)."""
+    server = topo.server
+    loopback = ("127.0.0.1", "localhost")
+    hosts = {
+        name: "0.0.0.0"
+        for name in ("grpc_host", "metrics_host", "http_host")
+        if getattr(server, name) in loopback
+    }
+    return msgspec.structs.replace(
+        topo,
+        ray=msgspec.structs.replace(topo.ray, address="auto"),
+        server=msgspec.structs.replace(server, **hosts),
+    )
+
+
 def render_rayservice(topo: Topology, *, source: str, image: str = DEFAULT_IMAGE) -> str:
     """The RayService manifest as YAML text, headed by where it came from (what `pdserve export` writes)."""
     header = (
         f"# Generated from {source} by `pdserve export`; do not edit: edit the topology and regenerate.\n"
         "# A KubeRay RayService: KubeRay starts the Ray cluster below (a CPU head for Serve's\n"
-        "# controller and the dashboard, GPU worker groups started with the labels the pools select)\n"
-        "# and deploys spec.serveConfigV2, the Serve config pdserve compiles from the topology (the\n"
-        "# engine pools and the registry), on it. Not in it yet: the router (pdserve's gRPC front\n"
-        "# end), which runs in `pdserve up`.\n"
+        "# controller, the dashboard and pdserve's router; GPU worker groups started with the labels\n"
+        "# the pools select) and deploys spec.serveConfigV2, the Serve config pdserve compiles from the\n"
+        "# topology (the engine pools, the registry and the router), on it. Clients reach the router's\n"
+        "# gRPC endpoint through the head's Service (<name>-head-svc, port `grpc`).\n"
     )
     needs = []
     if not topo.model.source.startswith("builtin:"):
@@ -243,7 +273,7 @@ def _groups_for_pools(topo: Topology) -> list[NodeGroup]:
 
 def _head_group(head: NodeGroup, image: str, topo: Topology) -> dict[str, Any]:
     group: dict[str, Any] = {
-        # The head runs Serve's controller, the dashboard and pdserve's front end; no engine (num-gpus 0).
+        # The head runs Serve's controller, the dashboard and pdserve's router; no engine (num-gpus 0).
         "rayStartParams": {"dashboard-host": "0.0.0.0", "num-gpus": "0"},
         "template": {
             "spec": {
@@ -256,7 +286,13 @@ def _head_group(head: NodeGroup, image: str, topo: Topology) -> dict[str, Any]:
                             {"containerPort": 6379, "name": "gcs"},
                             {"containerPort": topo.ray.dashboard_port, "name": "dashboard"},
                             {"containerPort": topo.server.grpc_port, "name": "grpc"},
-                            {"containerPort": topo.server.metrics_port, "name": "metrics"},
+                            # Not "metrics": KubeRay names Ray's own metrics port so.
+                            {"containerPort": topo.server.metrics_port, "name": "pdserve-metrics"},
+                            *(
+                                [{"containerPort": topo.server.http_port, "name": "http"}]
+                                if topo.server.http_port
+                                else []
+                            ),
                         ],
                     }
                 ]

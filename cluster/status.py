@@ -45,10 +45,56 @@ class ClusterStatus(msgspec.Struct, frozen=True, kw_only=True):
     app_message: str
     deployments: dict[str, str]  # deployment -> Serve's status (and its message when not HEALTHY)
     replicas: list[ReplicaRow]
+    # Why the registry's view (readiness, load) is missing, when it is ("" when it was read).
+    registry_unread: str = ""
+
+
+class Published(msgspec.Struct, frozen=True, kw_only=True):
+    """What status shows of a replica's registry entry, read from the registry itself (on a Ray node) or
+    through the router's GetClusterStatus (from anywhere its endpoint is reachable)."""
+
+    replica_id: str
+    role: str
+    node_id: str
+    registry: str  # ready | starting | draining | failed: <reason>
+    running: int | None = None
+    waiting: int | None = None
+    kv_cache_usage: float | None = None
+
+    @classmethod
+    def of_info(cls, info: ReplicaInfo) -> Published:
+        s = info.stats
+        return cls(
+            replica_id=info.replica_id,
+            role=info.role,
+            node_id=info.node_id,
+            registry=_registry_state(info),
+            running=s.running if s else None,
+            waiting=s.waiting if s else None,
+            kv_cache_usage=s.kv_cache_usage if s else None,
+        )
+
+    @classmethod
+    def of_replica(cls, replica: Any) -> Published:
+        """From the router's `pdserve.v1.Replica` (its state READY | STARTING | DRAINING | FAILED)."""
+        return cls(
+            replica_id=replica.replica_id,
+            role=replica.role,
+            node_id=replica.node_id,
+            registry=str(replica.state).lower(),
+            running=replica.running_requests,
+            waiting=replica.waiting_requests,
+            kv_cache_usage=replica.kv_cache_usage,
+        )
 
 
 def collect_status(
-    dashboard_url: str, app_name: str, registry: list[ReplicaInfo], *, timeout_s: float = 10.0
+    dashboard_url: str,
+    app_name: str,
+    registry: list[Published],
+    *,
+    registry_unread: str = "",
+    timeout_s: float = 10.0,
 ) -> ClusterStatus:
     """Blocking (HTTP to the dashboard): call from a thread in async code."""
     from ray.dashboard.modules.serve.sdk import ServeSubmissionClient
@@ -57,11 +103,12 @@ def collect_status(
     details = ServeSubmissionClient(dashboard_url).get_serve_details()
     groups = list_placement_groups(address=dashboard_url, detail=True, limit=10_000, timeout=int(timeout_s))
     by_name = {g.name: g for g in groups if g.state != "REMOVED"}
-    return build_status(app_name, details, by_name, registry)
+    status = build_status(app_name, details, by_name, registry)
+    return msgspec.structs.replace(status, registry_unread=registry_unread)
 
 
 def build_status(
-    app_name: str, details: dict[str, Any], groups: dict[str, Any], registry: list[ReplicaInfo]
+    app_name: str, details: dict[str, Any], groups: dict[str, Any], registry: list[Published]
 ) -> ClusterStatus:
     """Join Serve's details, placement groups by name, and registry entries (no I/O)."""
     app = (details.get("applications") or {}).get(app_name) or {}
@@ -99,15 +146,14 @@ def build_status(
 
 
 def _row(
-    role: str, replica_id: str, state: str, serve: dict[str, Any], group: Any, info: ReplicaInfo | None
+    role: str, replica_id: str, state: str, serve: dict[str, Any], group: Any, info: Published | None
 ) -> ReplicaRow:
     bundles = list(getattr(group, "bundles", None) or [])
-    stats = info.stats if info is not None else None
     return ReplicaRow(
         replica_id=replica_id,
         role=role,
         state=state,
-        registry=_registry_state(info),
+        registry=info.registry if info is not None else "missing",
         node_id=serve.get("node_id"),
         node_ip=serve.get("node_ip"),
         actor_name=serve.get("actor_name"),
@@ -115,15 +161,13 @@ def _row(
         placement_group_state=getattr(group, "state", None),
         gpus=sum(float((b.get("unit_resources") or {}).get("GPU", 0.0)) for b in bundles),
         bundles=len(bundles),
-        running=stats.running if stats else None,
-        waiting=stats.waiting if stats else None,
-        kv_cache_usage=stats.kv_cache_usage if stats else None,
+        running=info.running if info else None,
+        waiting=info.waiting if info else None,
+        kv_cache_usage=info.kv_cache_usage if info else None,
     )
 
 
-def _registry_state(info: ReplicaInfo | None) -> str:
-    if info is None:
-        return "missing"
+def _registry_state(info: ReplicaInfo) -> str:
     if info.failed:
         return f"failed: {info.failed}"
     if info.draining:
@@ -133,7 +177,7 @@ def _registry_state(info: ReplicaInfo | None) -> str:
 
 def fetch_registry(
     ray_address: str, app_name: str, timeout_s: float = 10.0, *, local: bool = False
-) -> list[ReplicaInfo]:
+) -> list[Published]:
     """The registry's entries, from a process not yet connected to Ray (the CLI). `local`: the cluster is
     the one-machine cluster `pdserve up` started (on loopback: cluster/ray_auth.py)."""
     import logging
@@ -151,7 +195,38 @@ def fetch_registry(
     handle = serve.get_deployment_handle("registry", app_name)
     logging.getLogger("ray.serve").setLevel(logging.WARNING)
     infos: list[ReplicaInfo] = handle.snapshot.remote().result(timeout_s=timeout_s)
-    return infos
+    return [Published.of_info(info) for info in infos]
+
+
+def registry_through_router(
+    dashboard_url: str, app_name: str, target: str | None
+) -> tuple[list[Published], str]:
+    """The registry's entries from a machine that is not a Ray node: through the router's GetClusterStatus
+    (the deployed topology says its port, TLS and token variable; the host is the dashboard's unless
+    `target` says otherwise). Returns (entries, "") or ([], why they could not be read)."""
+    import os
+    from urllib.parse import urlsplit
+
+    from ray.dashboard.modules.serve.sdk import ServeSubmissionClient
+
+    from cluster.serve_config import running_topology
+    from router.client import PdserveClient, PdserveError
+
+    details = ServeSubmissionClient(dashboard_url).get_serve_details()
+    app = (details.get("applications") or {}).get(app_name) or {}
+    if not app.get("deployed_app_config"):
+        return [], f"no application {app_name!r} is deployed"
+    server = running_topology(app["deployed_app_config"]).server
+    target = target or f"{urlsplit(dashboard_url).hostname}:{server.grpc_port}"
+    token = os.environ.get(server.auth_token_env) if server.auth_token_env else None
+    if server.auth_token_env and not token:
+        return [], f"the router at {target} wants a token: set {server.auth_token_env}"
+    try:
+        with PdserveClient(target, token=token, tls=server.tls is not None, timeout=10) as client:
+            replicas = client.cluster_status()
+    except PdserveError as exc:
+        return [], f"the router at {target} did not answer ({exc.code.name}: {exc.message})"
+    return [Published.of_replica(r) for r in replicas], ""
 
 
 def render_json(status: ClusterStatus) -> str:
@@ -179,6 +254,8 @@ def render_table(status: ClusterStatus) -> str:
         head += f" ({status.app_message})"
     lines = [head]
     lines.extend(f"  {name}: {state}" for name, state in status.deployments.items())
+    if status.registry_unread:
+        lines.append(f"  readiness and load not shown: {status.registry_unread}")
     table = [_COLUMNS] + [_cells(r) for r in status.replicas]
     widths = [max(len(row[i]) for row in table) for i in range(len(_COLUMNS))]
     lines.extend(

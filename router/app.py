@@ -1,9 +1,9 @@
 """The router process: holds Serve deployment handles to the engine pools and serves the gRPC endpoint.
 
-It runs outside Serve's replicas (in the `pdserve up` process, or its own process pointed at a cluster)
-because a gRPC server on a fixed port inside a replica would be invisible to Serve's health checks and
-drain. It owns no KV bytes: only handles, tokens and text. It follows the deployed topology's `router`
-section (the registry carries it): `pdserve apply` of a routing setting reconfigures it in place.
+It runs in the `pdserve up` process, or in a Serve replica of its own on the Ray head
+(cluster/router_replica.py, whose health check and shutdown follow this endpoint) on a cluster nobody runs
+`pdserve up` on. It owns no KV bytes: only handles, tokens and text. It follows the deployed topology's
+`router` section (the registry carries it): `pdserve apply` of a routing setting reconfigures it in place.
 """
 
 from __future__ import annotations

@@ -290,9 +290,11 @@ class PdserveClient:
         *,
         token: str | None = None,
         root_certificates: bytes | None = None,
+        tls: bool = False,
         timeout: float | None = None,
     ) -> None:
-        if root_certificates is not None:
+        # `tls` without `root_certificates`: the system's trusted roots (or GRPC_DEFAULT_SSL_ROOTS_FILE_PATH).
+        if root_certificates is not None or tls:
             self._channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates))
         else:
             self._channel = grpc.insecure_channel(target)
@@ -396,9 +398,11 @@ class AsyncPdserveClient:
         *,
         token: str | None = None,
         root_certificates: bytes | None = None,
+        tls: bool = False,
         timeout: float | None = None,
     ) -> None:
-        if root_certificates is not None:
+        # `tls` without `root_certificates`: the system's trusted roots (or GRPC_DEFAULT_SSL_ROOTS_FILE_PATH).
+        if root_certificates is not None or tls:
             self._channel = grpc.aio.secure_channel(target, grpc.ssl_channel_credentials(root_certificates))
         else:
             self._channel = grpc.aio.insecure_channel(target)

@@ -178,3 +178,23 @@ def test_gpu_pods_ask_for_the_rdma_devices_the_inventory_names() -> None:
                 == str(count)
             )
     assert all(devices[g] for g in devices if g != "head")
+
+
+def test_the_h200_export_is_a_whole_cluster_its_router_on_the_head_behind_the_grpc_port() -> None:
+    topo = load_topology(DEPLOY / "h200-kimi-k2.yaml")
+    manifest = exported(DEPLOY / "h200-kimi-k2.yaml")
+    (app,) = yaml.safe_load(manifest["spec"]["serveConfigV2"])["applications"]
+    router = {d["name"]: d for d in app["deployments"]}["router"]
+    assert app["args"]["router"] is True  # the application's ingress is its router
+    assert router["ray_actor_options"]["resources"] == {"node:__internal_head__": 0.001}
+    registry = {d["name"]: d for d in app["deployments"]}["registry"]
+    server = registry["user_config"]["topology"]["server"]
+    assert (server["grpc_host"], server["grpc_port"]) == ("0.0.0.0", topo.server.grpc_port)
+    # KubeRay's head Service publishes the head container's ports: the router's gRPC port among them.
+    (head,) = manifest["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"]
+    ports = {p["name"]: p["containerPort"] for p in head["ports"]}
+    assert ports["grpc"] == topo.server.grpc_port
+    assert ports["pdserve-metrics"] == topo.server.metrics_port
+    assert "metrics" not in ports  # KubeRay's name for Ray's own metrics port
+    # Ray's token auth is on, as on every cluster pdserve starts; KubeRay makes and hands out the token.
+    assert manifest["spec"]["rayClusterConfig"]["authOptions"] == {"mode": "token"}

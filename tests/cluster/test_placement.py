@@ -38,7 +38,7 @@ pools:
     gpus_per_replica: 16
     nodes_per_replica: 2
     node_labels: {role: decode}
-    engine: {tensor_parallel_size: 16}
+    engine: {tensor_parallel_size: 16, enable_expert_parallel: true}
 """
 
 # Valid without an inventory, but this cluster cannot hold it: prefill fits the prefill node, which the
@@ -105,6 +105,33 @@ def deploy(topo: Topology, app_name: str) -> None:
         def node(self) -> str:
             return str(ray.get_runtime_context().get_node_id())
 
+        def vllm_parallel(self) -> dict[str, Any]:
+            """What vLLM's engine would be given in this replica: pdserve's engine args (from the replica's
+            EngineSpec) and the placement group vLLM finds as EngineArgs.create_engine_config does, turned
+            into vLLM's own ParallelConfig."""
+            from vllm.config import ParallelConfig
+            from vllm.ray.lazy_utils import is_in_ray_actor
+
+            from engine.spec import spec_from_env
+
+            args = spec_from_env().engine_args
+            group = ray.util.get_current_placement_group() if is_in_ray_actor() else None
+            keys = (
+                "tensor_parallel_size",
+                "pipeline_parallel_size",
+                "data_parallel_size",
+                "enable_expert_parallel",
+                "distributed_executor_backend",
+            )
+            config = ParallelConfig(**{k: args[k] for k in keys}, placement_group=group)
+            return {
+                "world_size": config.world_size,
+                "backend": config.distributed_executor_backend,
+                "expert_parallel": config.enable_expert_parallel,
+                "group_id": group.id.hex() if group else None,
+                "bundles": group.bundle_specs if group else [],
+            }
+
     (app,) = compile_serve_config(topo, app_name=app_name)["applications"]
     engine = serve.deployment()(FakeEngine)
     # The placement options only (rollout settings and the registry exist only on the config path).
@@ -164,6 +191,15 @@ async def test_replicas_land_on_their_labelled_nodes_and_span_distinct_nodes(das
     # The replica actor runs on bundle 0's node.
     handle = serve.get_deployment_handle("decode", app_name="placed")
     assert await handle.node.remote() == d_replica.bundle_nodes[0]
+
+    # vLLM is given the replica's own group: its Ray executor puts one worker on each of the 16 GPU bundles
+    # (8 on each decode node), which is what it checks before it starts them (one GPU per bundle, as many
+    # GPU bundles as ranks).
+    parallel = await handle.vllm_parallel.remote()
+    assert parallel["group_id"] == decode_group.placement_group_id
+    assert (parallel["world_size"], parallel["backend"], parallel["expert_parallel"]) == (16, "ray", True)
+    gpu_bundles = [b for b in parallel["bundles"] if b.get("GPU")]
+    assert len(gpu_bundles) == parallel["world_size"] and all(b["GPU"] == 1 for b in gpu_bundles)
 
 
 async def test_unplaceable_pools_are_reported_with_their_reason_within_the_timeout(

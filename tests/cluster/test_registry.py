@@ -71,7 +71,7 @@ def test_slots_go_to_the_least_used_entry_and_free_up_when_a_replica_goes(
 
 
 def test_status_shows_a_failed_replica_with_its_reason() -> None:
-    from cluster.status import build_status, render_table
+    from cluster.status import Published, build_status, render_table
 
     details = {
         "applications": {
@@ -88,7 +88,8 @@ def test_status_shows_a_failed_replica_with_its_reason() -> None:
             }
         }
     }
-    status = build_status("pdserve", details, {}, [info("d1", failed="its vLLM engine core died")])
+    published = [Published.of_info(info("d1", failed="its vLLM engine core died"))]
+    status = build_status("pdserve", details, {}, published)
     (row,) = status.replicas
     assert row.registry == "failed: its vLLM engine core died"
     assert "failed: its vLLM engine core died" in render_table(status)

@@ -10,7 +10,14 @@ import yaml
 from ray.serve.schema import ServeDeploySchema
 
 from cluster.serve_app import engine_spec
-from cluster.serve_config import compile_serve_config, export_rayservice, render_rayservice, running_topology
+from cluster.serve_config import (
+    compile_serve_config,
+    export_rayservice,
+    in_cluster,
+    render_rayservice,
+    running_topology,
+    serves_router,
+)
 from cluster.topology import Topology, TopologyError
 from cluster.topology_file import parse_topology
 from engine.spec import ENGINE_SPEC_ENV, EngineSpec
@@ -152,6 +159,42 @@ def test_single_gpu_replica_actor_holds_its_gpu() -> None:
     assert fits(decode["ray_actor_options"], decode["placement_group_bundles"][0])
 
 
+def test_multi_gpu_engines_run_their_workers_in_the_replicas_placement_group() -> None:
+    # vLLM's Ray executor, which takes the GPU bundles of the group the replica actor runs in; left to
+    # choose, vLLM picks multiprocessing (no GPU in the actor) or refuses TP16 on 8-GPU nodes.
+    topo = parse_topology(H200)
+    assert engine_spec(topo, "prefill").engine_args["distributed_executor_backend"] == "ray"
+    assert engine_spec(topo, "decode").engine_args["distributed_executor_backend"] == "ray"
+    one_gpu = parse_topology(
+        "model: {block_size: 64}\npools: {prefill: {replicas: 0}, decode: {gpus_per_replica: 1}}"
+    )
+    assert "distributed_executor_backend" not in engine_spec(one_gpu, "decode").engine_args
+    assert "distributed_executor_backend" not in engine_spec(Topology(), "decode").engine_args
+
+
+def test_an_application_that_serves_its_router_has_it_on_the_head_binding_the_registry() -> None:
+    plain = compile_serve_config(Topology())
+    assert "router" not in deployments(plain) and not serves_router(plain["applications"][0])
+    config = compile_serve_config(Topology(), serve_router=True)
+    ServeDeploySchema.model_validate(config)
+    (app,) = config["applications"]
+    assert serves_router(app) and app["args"]["router"] is True
+    router = deployments(config)["router"]
+    assert router["num_replicas"] == 1 and router["max_replicas_per_node"] == 1  # its gRPC port is fixed
+    assert router["ray_actor_options"]["resources"] == {"node:__internal_head__": 0.001}
+    # Only the router is added: the pools and the registry are the same as `pdserve up` deploys.
+    assert {k: v for k, v in deployments(config).items() if k != "router"} == deployments(plain)
+
+
+def test_in_cluster_the_router_listens_on_the_pods_interfaces_and_engines_on_the_pods_address() -> None:
+    local = Topology()
+    assert local.server.grpc_host == "127.0.0.1" and local.ray.address is None
+    pod = in_cluster(local)
+    assert (pod.server.grpc_host, pod.server.metrics_host, pod.ray.address) == ("0.0.0.0", "0.0.0.0", "auto")
+    custom = parse_topology({"server": {"grpc_host": "10.0.0.5"}})
+    assert in_cluster(custom).server.grpc_host == "10.0.0.5"  # an explicit address is kept
+
+
 def test_strategy_single_node_strict_pack_multi_node_pack() -> None:
     compiled = deployments(compile_serve_config(parse_topology(H200)))
     assert compiled["prefill"]["placement_group_strategy"] == "STRICT_PACK"
@@ -170,9 +213,9 @@ def test_rayservice_embeds_the_serve_config_and_labelled_worker_groups() -> None
     assert (manifest["apiVersion"], manifest["kind"]) == ("ray.io/v1", "RayService")
     assert manifest["metadata"]["name"] == "kimi"
     spec = manifest["spec"]
-    # The topology's own Serve config, as run inside the cluster (engines bind their pod's address).
-    in_cluster = msgspec.structs.replace(topo, ray=msgspec.structs.replace(topo.ray, address="auto"))
-    assert yaml.safe_load(spec["serveConfigV2"]) == compile_serve_config(in_cluster)
+    # The topology's own Serve config as run inside the cluster (engines bind their pod's address), with
+    # the router as a deployment: nobody runs `pdserve up` in a RayService.
+    assert yaml.safe_load(spec["serveConfigV2"]) == compile_serve_config(in_cluster(topo), serve_router=True)
     cluster = spec["rayClusterConfig"]
     assert cluster["headGroupSpec"]["rayStartParams"]["num-gpus"] == "0"
     # Without an inventory: one group per pool, sized for its replicas.

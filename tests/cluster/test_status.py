@@ -16,7 +16,7 @@ from ray.util.state import list_placement_groups
 
 from cluster import cli
 from cluster.bootstrap import RunState
-from cluster.status import ClusterStatus, build_status, collect_status, render_table
+from cluster.status import ClusterStatus, Published, build_status, collect_status, render_table
 from cluster.topology import Topology
 from engine.messages import ReplicaInfo
 
@@ -39,7 +39,7 @@ def current_status(env: Env) -> ClusterStatus:
     registry: list[ReplicaInfo] = (
         serve.get_deployment_handle("registry", APP).snapshot.remote().result(timeout_s=10)
     )
-    return collect_status(env.cluster.dashboard_url, APP, registry)
+    return collect_status(env.cluster.dashboard_url, APP, [Published.of_info(i) for i in registry])
 
 
 async def test_rows_carry_the_dashboards_names_nodes_gpus_and_load(env: Env) -> None:
@@ -124,6 +124,6 @@ async def test_a_replica_serve_no_longer_has_shows_as_gone_until_its_entry_expir
     )
     details = await asyncio.to_thread(ServeSubmissionClient(env.cluster.dashboard_url).get_serve_details)
     details["applications"][APP]["deployments"]["prefill"]["replicas"] = []  # as right after a kill
-    gone = build_status(APP, details, {}, registry)
+    gone = build_status(APP, details, {}, [Published.of_info(i) for i in registry])
     (row,) = [r for r in gone.replicas if r.role == "prefill"]
     assert (row.replica_id, row.state, row.registry) == (prefill.replica_id, "GONE", "ready")

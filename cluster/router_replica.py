@@ -1,0 +1,84 @@
+"""pdserve's front end as a Serve deployment: the router (router/app.py) inside a replica on the Ray head.
+
+`pdserve up` runs the router in its own foreground process. A cluster that nobody runs `pdserve up` on (a
+KubeRay RayService, `serve deploy` of `pdserve export` on a `ray start` cluster) gets it from this
+deployment instead, so the Serve application alone serves the gRPC endpoint. Same RouterProcess, same
+topology (read from the registry, which holds the deployed one), only the host differs:
+- the replica runs on the head node (Ray's `node:__internal_head__` resource), where the head's Service or
+  port publishes server.grpc_port, and where the TLS files and the token's environment variable are;
+- Serve's health check asks whether the endpoint is still serving, so Serve replaces a router whose server
+  stopped; on shutdown the server drains its streams (router/app.py's grace) before the replica exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import msgspec
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from cluster.bootstrap import router_process
+from cluster.topology import Topology
+from engine.model_source import resolve_model_dir
+
+log = logging.getLogger(__name__)
+
+ROUTER = "router"  # the deployment's name
+# A fraction of the head node's marker resource: pins the replica to the head without taking a CPU there
+# (the head runs Serve's controller and the dashboard, no engine).
+ON_HEAD = {"node:__internal_head__": 0.001}
+
+
+def router_deployment_config() -> dict[str, Any]:
+    """The router's entry in the Serve config: one replica on the head (its gRPC port is fixed)."""
+    return {
+        "name": ROUTER,
+        "num_replicas": 1,
+        "max_replicas_per_node": 1,
+        "ray_actor_options": {"num_cpus": 0, "resources": dict(ON_HEAD)},
+        # Streams in flight get the router's own 10 s grace to finish (RouterProcess.serve_until).
+        "graceful_shutdown_timeout_s": 30,
+        "health_check_period_s": 5,
+    }
+
+
+class RouterReplica:
+    # Serve awaits async constructors and marks the replica ready once this returns: after the endpoint
+    # accepts calls.
+    async def __init__(self, registry: DeploymentHandle) -> None:  # type: ignore[misc]
+        raw = await registry.topology.remote()
+        if raw is None:
+            raise RuntimeError("the registry holds no topology: deploy the config `pdserve export` writes")
+        topo = msgspec.convert(raw, Topology)
+        app_name = serve.get_replica_context().app_name
+        model_dir = await asyncio.to_thread(resolve_model_dir, topo.model.source)
+        # Loads the tokenizer and reads TLS files: off the event loop.
+        self._router = await asyncio.to_thread(router_process, topo, model_dir, app_name)
+        self._stop = asyncio.Event()
+        ready = asyncio.Event()
+        self._serving = asyncio.create_task(self._router.serve_until(self._stop, on_ready=ready.set))
+        ready_wait = asyncio.create_task(ready.wait())
+        await asyncio.wait((self._serving, ready_wait), return_when=asyncio.FIRST_COMPLETED)
+        ready_wait.cancel()
+        if self._serving.done():
+            self._serving.result()  # raises why the endpoint could not start (e.g. its port is taken)
+            raise RuntimeError("the router's endpoint stopped while starting")
+        server = topo.server
+        log.info("router serving gRPC on %s:%d", server.grpc_host, server.grpc_port)
+
+    async def check_health(self) -> None:
+        """Serve replaces the replica when this raises: the endpoint stopped serving."""
+        if self._serving.done():
+            error = self._serving.exception() if not self._serving.cancelled() else None
+            raise RuntimeError(f"the router's endpoint stopped: {error!r}")
+
+    async def __del__(self) -> None:
+        # Serve calls this on graceful shutdown: refuse new calls, let streams finish, then stop.
+        stop = getattr(self, "_stop", None)
+        if stop is None:
+            return
+        stop.set()
+        await asyncio.wait((self._serving,), timeout=20)
