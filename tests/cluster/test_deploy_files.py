@@ -145,3 +145,41 @@ def test_rayservice_manifest_is_current(path: Path) -> None:
         f"render_rayservice; from cluster.topology_file import load_topology; print(render_rayservice("
         f"load_topology('{source}'), source='{source}'), end='')\" > deploy/{name(path)}"
     )
+
+
+DOCKERFILES = {"cuda": DEPLOY / "docker" / "Dockerfile.cuda", "cpu": DEPLOY / "docker" / "Dockerfile.cpu"}
+
+
+def test_the_images_are_built_by_the_projects_own_install_and_named_as_exports_name_them() -> None:
+    import tomllib
+
+    from cluster.serve_config import DEFAULT_IMAGE
+
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert f"pdserve:{version}" == DEFAULT_IMAGE
+    for kind, path in DOCKERFILES.items():
+        text = path.read_text()
+        assert re.search(r"^FROM python:3\.11-", text, re.M), kind  # the Python the project pins
+        install = "scripts/install.sh gpu" if kind == "cuda" else "scripts/install.sh"
+        assert re.search(rf"^RUN {re.escape(install)}$", text, re.M), kind
+        # KubeRay and the launcher run `ray start` and `pdserve` in the container: the venv is on PATH.
+        assert re.search(r"^ENV PATH=/opt/pdserve/\.venv/bin:\$PATH", text, re.M), kind
+        tag = DEFAULT_IMAGE if kind == "cuda" else f"{DEFAULT_IMAGE}-cpu"
+        assert f"docker build -f deploy/docker/{path.name} -t {tag} ." in text, kind
+    (launcher,) = LAUNCHERS
+    assert yaml.safe_load(launcher.read_text())["docker"]["image"] == DEFAULT_IMAGE
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert ".venv" in ignored and ".git" in ignored  # the build context never carries the host's venv
+
+
+def test_the_install_script_knows_the_gpu_extra_and_refuses_an_unknown_one() -> None:
+    import subprocess
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    engine_pin = {e.split("==")[1] for e in extras["gpu"] + extras["cpu"] if e.startswith("vllm")}
+    assert len(engine_pin) == 1  # the CPU and GPU images run the same vLLM release
+    wrong = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "install.sh"), "cuda"], capture_output=True, text=True
+    )
+    assert wrong.returncode == 2 and "usage: scripts/install.sh [test|gpu]" in wrong.stderr
