@@ -117,6 +117,8 @@ def _describe_validation_error(message: str, raw: Any) -> tuple[str, str]:
 
 # Keys earlier versions accepted, and what says the same now.
 _RETIRED = {
+    "router.long_stall_weight": "removed: router.tpot_slo_ms (a prefill on a decode replica is charged by "
+    "the inter-token latency it gives the running sequences)",
     "router.long_local_prefill": "removed: router.mode auto (the default) offers long local prefills, "
     "router.mode disaggregate never prefills on decode while a prefill replica can",
     "router.kv_readback_ttl_s": "moved to pools.kv_readback_ttl_s: the decode engines keep the pins",

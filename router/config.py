@@ -29,17 +29,19 @@ RouterMode = Literal["auto", "disaggregate"]
 class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     mode: RouterMode = "auto"
     # An uncached suffix at most this long is prefilled by the decode replica holding the rest (no KV move);
-    # a longer one only when that costs less than the prefill hop, its batch's wait weighted
-    # long_stall_weight (the H200 example's value; the replay evaluates it).
+    # a longer one only when that costs less than the prefill hop (the H200 example's value; the replay
+    # evaluates it).
     local_prefill_max_tokens: NonNegativeInt = 1024
     # With every prefill replica this many estimated seconds behind, a decode replica's long prefill is
     # charged as a short one's (decode absorbs prefill overflow); null: never.
     prefill_overflow_queue_s: NonNegativeFloat | None = 10.0
-    # A cache miss is charged prefill_weight x its own prefill seconds (higher: more hits, less balance); a
-    # long local prefill long_stall_weight x its batch's wait (lower: more hits and lower TTFT, higher
-    # decode TPOT). Replay your traffic to choose them (`pdserve replay --topology FILE`).
+    # A cache miss is charged prefill_weight x its own prefill seconds (higher: more hits, less balance).
+    # Replay your traffic to choose it (`pdserve replay --topology FILE`).
     prefill_weight: NonNegativeFloat = 5.0
-    long_stall_weight: NonNegativeFloat = 20.0
+    # The decode replicas' inter-token latency SLO: a prefill on a decode replica whose mixed steps (chunked
+    # prefill) would be slower than this for its running sequences is charged OVER_SLO_WEIGHT x the delay it
+    # adds to each of them (router/policy/cost.py); within it, the delay itself.
+    tpot_slo_ms: PositiveFloat = 50.0
     # Prefill balance: charges for recent compute seconds and for recent tokens computed (cache churn)
     # above the prefill pool's mean.
     balance_weight: NonNegativeFloat = 0.2

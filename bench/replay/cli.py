@@ -20,7 +20,7 @@ from pathlib import Path
 import msgspec
 
 from bench.replay.bounds import belady_hit_ratio, pooled_lru_hit_ratio
-from bench.replay.metrics import PolicyResult, format_table
+from bench.replay.metrics import PolicyResult, Slo, format_table
 from bench.replay.policies import describe_pdserve, select
 from bench.replay.runner import run_policy, set_load
 from bench.replay.sim import SimConfig
@@ -94,7 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--target-util", type=_FRACTION, default=0.6, help="prefill utilisation the load is set for"
     )
-    p.add_argument("--reference-policy", default="pdserve", help="policy the pilot runs use to set the load")
+    p.add_argument(
+        "--reference-policy",
+        default="least_loaded",
+        help="policy the pilot runs set the load with (default least_loaded: neutral, no cache awareness; "
+        "every policy then runs at the same offered load)",
+    )
     p.add_argument("--pilot-rounds", type=_COUNT0, default=4, help="pilot runs correcting the analytic load")
     p.add_argument("--concurrency", type=_COUNT, default=None, help="claude-code: fix sessions in flight")
     p.add_argument("--time-scale", type=_POSITIVE, default=None, help="mooncake: fix the arrival speed-up")
@@ -113,8 +118,31 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also print the hit-ratio ceilings of pooled caches (bench.replay.bounds; ~10-30 s)",
     )
+    p.add_argument(
+        "--slo",
+        type=_slo,
+        default=None,
+        help="what goodput counts, e.g. ttft=5,tpot=0.05 (seconds; default ttft 5 s and the topology's "
+        "router.tpot_slo_ms)",
+    )
     p.add_argument("--json", type=Path, default=None, help="write the full report here")
     return p
+
+
+def _slo(text: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for part in text.split(","):
+        key, _, value = part.partition("=")
+        if key.strip() not in ("ttft", "tpot"):
+            raise argparse.ArgumentTypeError(f"{part!r}: expected ttft=SECONDS or tpot=SECONDS")
+        try:
+            seconds = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{part!r}: {value!r} is not a number of seconds") from None
+        if not seconds > 0:
+            raise argparse.ArgumentTypeError(f"{part!r}: must be > 0")
+        out[key.strip()] = seconds
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -151,8 +179,11 @@ def main(argv: list[str] | None = None) -> int:
         f"infinite-cache bound {bound:.4f}",
         flush=True,
     )
+    pooled = None
     if args.bounds:
-        _print_bounds(trace, capacity, args.replicas, args.decode_replicas or args.replicas, bound)
+        pooled = _print_bounds(trace, capacity, args.replicas, args.decode_replicas or args.replicas, bound)
+    given = args.slo or {}
+    slo = Slo(ttft_s=given.get("ttft", Slo().ttft_s), tpot_s=given.get("tpot", router.tpot_slo_ms / 1e3))
     cfg = SimConfig(
         prefill_replicas=args.replicas,
         decode_replicas=args.decode_replicas or args.replicas,
@@ -187,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{pdserve}; readback {readback}", flush=True)
     results = []
     for name, factory in policies.items():
-        results.append(run_policy(trace, name, factory, cfg, bound))
+        results.append(run_policy(trace, name, factory, cfg, bound, slo=slo, pooled=pooled))
         r = results[-1]
         print(
             f"  {name}: hit/bound {r.hit_vs_bound:.3f} max/mean {r.load_max_over_mean:.3f} "
@@ -195,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
             f"util {r.prefill_util:.2f} ttft p99 {r.ttft_p99_s:.2f}s ({r.wall_s:.1f}s)",
             flush=True,
         )
+    print(f"goodput: TTFT <= {slo.ttft_s:g} s and TPOT <= {1e3 * slo.tpot_s:g} ms", flush=True)
     print(format_table(results))
     if args.json is not None:
         report = ReplayReport(
@@ -211,7 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _print_bounds(trace: Trace, capacity: int, prefill: int, decode: int, bound: float) -> None:
+def _print_bounds(trace: Trace, capacity: int, prefill: int, decode: int, bound: float) -> float:
+    """Print the pooled ceilings; returns the prefill caches' pooled LRU ceiling (the `hit/pool` column)."""
+    ceilings = []
     for what, n in (("the prefill caches", prefill), ("all caches", prefill + decode)):
         lru = pooled_lru_hit_ratio(trace, capacity * n)
         opt = belady_hit_ratio(trace, capacity * n)
@@ -220,6 +254,8 @@ def _print_bounds(trace: Trace, capacity: int, prefill: int, decode: int, bound:
             f"bound), optimal replacement {opt:.4f} ({opt / bound:.3f})",
             flush=True,
         )
+        ceilings.append(lru)
+    return ceilings[0]
 
 
 if __name__ == "__main__":

@@ -10,6 +10,14 @@ import msgspec
 from bench.replay.sim import RequestRecord, Simulator
 
 
+class Slo(msgspec.Struct, frozen=True, kw_only=True):
+    """What goodput counts: requests whose TTFT and whose TPOT (mean time per output token after the
+    first) are both within these."""
+
+    ttft_s: float = 5.0
+    tpot_s: float = 0.05
+
+
 class PolicyResult(msgspec.Struct, kw_only=True):
     policy: str
     requests: int
@@ -50,6 +58,13 @@ class PolicyResult(msgspec.Struct, kw_only=True):
     tpot_p99_s: float
     queue_p50_s: float
     queue_p99_s: float
+    # Requests in the window meeting `slo` (TTFT and TPOT together): their share, and per second.
+    slo: Slo
+    goodput_share: float
+    goodput_rps: float
+    # With `--bounds`: the hit ratio against the pooled prefill caches' LRU ceiling (bench.replay.bounds).
+    pooled_ceiling: float | None = None
+    hit_vs_pooled: float | None = None
     # Router belief vs simulated engine: mean |predicted - actual| cached tokens per request.
     prediction_error_tokens: float
     decision_us_mean: float
@@ -66,7 +81,14 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 def summarize(
-    name: str, sim: Simulator, records: list[RequestRecord], bound: float, wall_s: float
+    name: str,
+    sim: Simulator,
+    records: list[RequestRecord],
+    bound: float,
+    wall_s: float,
+    *,
+    slo: Slo | None = None,
+    pooled: float | None = None,
 ) -> PolicyResult:
     blocks = sum(r.num_blocks for r in records)
     prompt = sum(r.cached_tokens + r.computed_tokens for r in records)
@@ -89,6 +111,8 @@ def summarize(
     wait = [r.queue_wait for r in measured]
     tpot = [t for t in (r.tpot for r in measured) if t is not None]
     pred_err = [abs(r.predicted_cached_tokens - r.cached_tokens) for r in records]
+    slo = slo or Slo()
+    good = sum(r.ttft <= slo.ttft_s and (r.tpot is None or r.tpot <= slo.tpot_s) for r in measured)
     return PolicyResult(
         policy=name,
         requests=len(records),
@@ -115,6 +139,11 @@ def summarize(
         tpot_p99_s=percentile(tpot, 99),
         queue_p50_s=percentile(wait, 50),
         queue_p99_s=percentile(wait, 99),
+        slo=slo,
+        goodput_share=good / len(measured) if measured else math.nan,
+        goodput_rps=good / window if window > 0 else math.nan,
+        pooled_ceiling=pooled,
+        hit_vs_pooled=hit_ratio / pooled if pooled else None,
         prediction_error_tokens=sum(pred_err) / len(pred_err) if pred_err else 0.0,
         decision_us_mean=1e6 * sim.decide_s / sim.decisions if sim.decisions else 0.0,
         wall_s=wall_s,
@@ -126,6 +155,7 @@ def format_table(results: Sequence[PolicyResult]) -> str:
         ("policy", "{:<22}", lambda r: r.policy),
         ("hit", "{:>6.3f}", lambda r: r.hit_ratio),
         ("hit/bnd", "{:>7.3f}", lambda r: r.hit_vs_bound),
+        ("hit/pool", "{:>8.3f}", lambda r: math.nan if r.hit_vs_pooled is None else r.hit_vs_pooled),
         ("max/mean", "{:>8.3f}", lambda r: r.load_max_over_mean),
         ("mm_win", "{:>6.3f}", lambda r: r.load_max_over_mean_window),
         ("Mtok", "{:>8.1f}", lambda r: r.prefill_tokens_total / 1e6),
@@ -139,6 +169,8 @@ def format_table(results: Sequence[PolicyResult]) -> str:
         ("ttft99", "{:>7.2f}", lambda r: r.ttft_p99_s),
         ("tpot50ms", "{:>8.1f}", lambda r: 1e3 * r.tpot_p50_s),
         ("tpot99ms", "{:>8.1f}", lambda r: 1e3 * r.tpot_p99_s),
+        ("good", "{:>5.2f}", lambda r: r.goodput_share),
+        ("good/s", "{:>6.2f}", lambda r: r.goodput_rps),
         ("q50", "{:>6.2f}", lambda r: r.queue_p50_s),
         ("q99", "{:>7.2f}", lambda r: r.queue_p99_s),
         ("dec_us", "{:>6.0f}", lambda r: r.decision_us_mean),

@@ -8,6 +8,7 @@ from router.config import RouterConfig
 from router.policy.baselines import (
     LAUNCHER_DEFAULTS,
     RUST_DEFAULTS,
+    DynamoConditionalPolicy,
     DynamoKvPolicy,
     LeastLoadedPolicy,
     RoundRobinPolicy,
@@ -28,7 +29,7 @@ def describe_pdserve(cfg: RouterConfig) -> str:
     return (
         f"pdserve: mode {cfg.mode}, local_prefill_max_tokens {cfg.local_prefill_max_tokens}, prefill weight "
         f"{cfg.prefill_weight:g}, balance {cfg.balance_weight:g}, churn {cfg.churn_weight:g}, "
-        f"long local prefill stall x{cfg.long_stall_weight:g}, "
+        f"decode inter-token SLO {cfg.tpot_slo_ms:g} ms, "
         f"prefill overflow {'off' if overflow is None else f'at {overflow:g} s queued'}"
     )
 
@@ -49,6 +50,7 @@ def available_policies(router: RouterConfig | None = None) -> dict[str, PolicyFa
         "sglang_rust": lambda _: SGLangCacheAwarePolicy(RUST_DEFAULTS),
         "sglang_launcher": lambda _: SGLangCacheAwarePolicy(LAUNCHER_DEFAULTS),
         "dynamo_kv": lambda _: DynamoKvPolicy(),
+        "dynamo_conditional": lambda _: DynamoConditionalPolicy(),
     }
 
 

@@ -9,13 +9,22 @@ import msgspec
 
 from bench.replay.index_feed import KvIndexFeed
 from bench.replay.load import estimate_concurrency, estimate_time_scale, refine
-from bench.replay.metrics import PolicyResult, summarize
+from bench.replay.metrics import PolicyResult, Slo, summarize
 from bench.replay.policies import PolicyFactory
 from bench.replay.sim import SimConfig, Simulator
 from bench.replay.traces import Trace, infinite_cache_hit_ratio
 
 
-def run_policy(trace: Trace, name: str, factory: PolicyFactory, cfg: SimConfig, bound: float) -> PolicyResult:
+def run_policy(
+    trace: Trace,
+    name: str,
+    factory: PolicyFactory,
+    cfg: SimConfig,
+    bound: float,
+    *,
+    slo: Slo | None = None,
+    pooled: float | None = None,
+) -> PolicyResult:
     replica_ids = [f"p{i}" for i in range(cfg.prefill_replicas)] + [
         f"d{i}" for i in range(cfg.decode_replicas)
     ]
@@ -27,7 +36,7 @@ def run_policy(trace: Trace, name: str, factory: PolicyFactory, cfg: SimConfig, 
     t0 = time.perf_counter()
     sim = Simulator(trace, factory(cfg.timing), cfg, index_factory=index_factory)  # type: ignore[arg-type]
     records = sim.run()
-    return summarize(name, sim, records, bound, time.perf_counter() - t0)
+    return summarize(name, sim, records, bound, time.perf_counter() - t0, slo=slo, pooled=pooled)
 
 
 def set_load(

@@ -30,9 +30,10 @@ replica, the blocks of running sequences are allocated (pinned) until they finis
    router sends each prefill replica its legs in decision order, the order its queue estimates assume.
    A pin that expires before the prefill starts is not pulled: the prompt is computed.
 4. Decode: every active sequence on a replica advances one token per `tpot_s(batch, context)`; the rate is
-   recomputed whenever the batch changes; a local prefill on the replica pauses its decoding for its
-   duration (no chunked-prefill overlap: the cost local prefill puts on co-located decodes). TTFT = first
-   decode step.
+   recomputed whenever the batch changes. A local prefill on the replica is chunked between its decode steps
+   as vLLM schedules it (`ServiceTimeModel.mixed_prefill`): while it runs, each step is as slow as the larger
+   of the decode step and the prompt's chunk, so co-located sequences slow down rather than stop. TTFT =
+   first decode step.
 5. Finish: `policy.on_finish`; in a closed-loop replay the session's next turn is sent after its recorded
    gap.
 
@@ -178,6 +179,8 @@ class _DecodeServer(_PrefillServer):
         self.context_tokens = 0
         self.last_advance = 0.0
         self.version = 0
+        # While it prefills a prompt itself: the length of its mixed steps (chunked prefill), else None.
+        self.mixed_step_s: float | None = None
 
 
 class _Pin:
@@ -430,10 +433,6 @@ class Simulator:
             self._at(server.queue[0].ready_at, _EXPORTED, server)
             return
         job = server.queue.popleft()
-        if isinstance(server, _DecodeServer):
-            # Decoding pauses until the prefill ends: credit progress so far, cancel the pending check.
-            self._advance_decode(server)
-            server.version += 1
         server.running = job
         rec = job.rec
         on_decode = isinstance(server, _DecodeServer)
@@ -459,7 +458,17 @@ class Simulator:
                 self._unpin(pin)
         pulled = cached_tokens - local_tokens
         new_tokens = n - cached_tokens
-        duration = self.timing.prefill_s(new_tokens, cached_tokens)
+        if isinstance(server, _DecodeServer):
+            # Chunked between the batch's decode steps, which go on one token per (slower) mixed step.
+            self._advance_decode(server)
+            steps, step = self.timing.mixed_prefill(
+                new_tokens, cached_tokens, len(server.remaining), server.context_tokens
+            )
+            duration = steps * step
+            server.mixed_step_s = step
+            self._reschedule_decode(server)
+        else:
+            duration = self.timing.prefill_s(new_tokens, cached_tokens)
         if pulled:
             duration += self.timing.transfer_s(pulled)
         rec.cached_blocks = max(hits, cached_tokens // self.block_tokens)
@@ -478,7 +487,8 @@ class Simulator:
         server.running = None
         self.load.on_prefill_done(job.route.request_id)
         if isinstance(server, _DecodeServer):
-            server.last_advance = self.now  # decoding resumes; no progress was made while prefilling
+            self._advance_decode(server)  # at the mixed rate, until now
+            server.mixed_step_s = None
             self._join_decode(job, server)
         else:
             decode = self._servers[job.decision.decode]
@@ -493,13 +503,15 @@ class Simulator:
 
     # -- decode ------------------------------------------------------------------------------------------
     def _tpot(self, server: _DecodeServer) -> float:
+        if server.mixed_step_s is not None:
+            return server.mixed_step_s
         return self.timing.tpot_s(len(server.remaining), server.context_tokens)
 
     def _advance_decode(self, server: _DecodeServer) -> None:
         """Credit every active sequence with the tokens generated since the last batch change."""
         elapsed = self.now - server.last_advance
         server.last_advance = self.now
-        if elapsed <= 0 or not server.remaining or server.running is not None:
+        if elapsed <= 0 or not server.remaining:
             return
         done = elapsed / self._tpot(server)
         for job in server.remaining:
@@ -519,8 +531,8 @@ class Simulator:
 
     def _reschedule_decode(self, server: _DecodeServer) -> None:
         server.version += 1
-        if not server.remaining or server.running is not None:
-            return  # idle, or paused by a local prefill (its completion reschedules)
+        if not server.remaining:
+            return
         least = min(server.remaining.values())
         self._at(self.now + max(0.0, least) * self._tpot(server), _DECODE_CHECK, (server, server.version))
 

@@ -2,9 +2,10 @@
 
 All baselines are prefill-side policies: they pick the prefill replica by their own rule and the decode
 replica by least load (fewest active sequences, then lowest KV usage), and always disaggregate, except that
-with no eligible prefill replica the decode replica prefills locally. The `predicted_*` fields of their
-decisions come from the shared KV index (the truth the router knows), not from the baseline's own belief, so
-hit metrics compare fairly.
+with no eligible prefill replica the decode replica prefills locally; `dynamo_conditional` picks the decode
+replica first and prefills short uncached suffixes on it, as Dynamo's conditional disaggregation does. The
+`predicted_*` fields of their decisions come from the shared KV index (the truth the router knows), not from
+the baseline's own belief, so hit metrics compare fairly.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def _decision(
         predicted_cached_tokens=cached_d if p is None else cached_tokens(matched[p.replica_id], bs, n),
         predicted_decode_cached_tokens=cached_d,
         cost=cost,
-        reason=reason if p is not None else "no_prefill_replica",
+        reason=reason if p is not None or reason == "dynamo_local" else "no_prefill_replica",
     )
 
 
@@ -279,6 +280,60 @@ class DynamoKvPolicy:
         span = (hi - lo) or 1.0
         weights = [math.exp(-((x - lo) / span) / t) for x in logits]
         return self._rng.choices(range(len(logits)), weights=weights)[0]
+
+    def on_finish(self, req: RouteRequest, d: Decision) -> None:
+        return None
+
+
+class DynamoConditionalConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    # Dynamo's disaggregation rule: prefill remotely only when the uncached suffix is longer than this...
+    max_local_prefill_length: Annotated[int, msgspec.Meta(ge=0)] = 1000
+    # ... and the prefill queue (requests waiting, all prefill workers) is shorter than this.
+    max_prefill_queue_size: Annotated[int, msgspec.Meta(ge=0)] = 2
+    overlap_score_weight: Annotated[float, msgspec.Meta(ge=0)] = 1.0
+
+
+class DynamoConditionalPolicy:
+    """Dynamo with conditional disaggregation (its disaggregated router): the KV router picks the decode
+    worker (its cost over decode workers: `overlap_score_weight * blocks to prefill + active blocks`), and
+    that worker prefills locally unless the prompt's uncached suffix on it is longer than
+    `max_local_prefill_length` and the prefill queue is shorter than `max_prefill_queue_size`; a remote
+    prefill goes to the prefill worker Dynamo's KV cost picks (as `DynamoKvPolicy`). Defaults are Dynamo's.
+    """
+
+    name = "dynamo_conditional"
+
+    def __init__(self, config: DynamoConditionalConfig | None = None) -> None:
+        self.config = config or DynamoConditionalConfig()
+        self._prefill = DynamoKvPolicy(DynamoKvConfig(overlap_score_weight=self.config.overlap_score_weight))
+
+    def choose(
+        self,
+        req: RouteRequest,
+        prefill: Sequence[ReplicaView],
+        decode: Sequence[ReplicaView],
+        cache: PrefixLookup,
+    ) -> Decision:
+        decs = [d for d in decode if d.eligible]
+        if not decs:
+            raise NoReplicaError("no ready decode replica")
+        bs, n = req.block_size, req.num_prompt_tokens
+        overlap = cache.matched_blocks(req.block_hashes, [d.replica_id for d in decs])
+        w = self.config.overlap_score_weight
+
+        def logit(d: ReplicaView) -> float:
+            new_tokens = max(n - overlap[d.replica_id] * bs, 0)
+            return w * new_tokens / bs + (d.active_context_tokens + n) // bs
+
+        d = min(decs, key=lambda x: (logit(x), x.active_seqs))
+        uncached = n - cached_tokens(overlap[d.replica_id], bs, n)
+        pres = [p for p in prefill if p.eligible]
+        queued = sum(p.queued_prefill_requests for p in pres)
+        remote = bool(pres) and uncached > self.config.max_local_prefill_length
+        if not remote or queued >= self.config.max_prefill_queue_size * max(1, len(pres)):
+            return _decision(req, None, d, cache, logit(d), "dynamo_local")
+        remote_choice = self._prefill.choose(req, pres, [d], cache)
+        return msgspec.structs.replace(remote_choice, reason="dynamo_conditional")
 
     def on_finish(self, req: RouteRequest, d: Decision) -> None:
         return None

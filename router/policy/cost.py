@@ -6,7 +6,7 @@
          + balance + churn                                        C's recent work above its pool's mean
          + w_decode   * out * tpot_s(active(D) + 1, context(D) + prompt) + kv_full_s * kv_usage(D)
          + w_transfer * transfer_s(tokens D lacks, C~D node)      moving the KV from C to D
-         + w_stall    * prefill_s * (active(D) + 1)               C is D (local prefill): D's batch waits
+         + w_stall    * (active(D) * delay + prefill wall)         C is D (local prefill): D's batch slows
 
 C is the replica that computes the prompt: a prefill replica (disaggregated) or the decode replica D itself
 (local prefill: no transfer, and its batch waits). This module holds the terms; `router.policy.options`
@@ -16,11 +16,14 @@ comes from `router.policy.service_time.ServiceTimeModel`, the model the trace re
 token is worth what it saves (a hit on a long context saves attention over all of it). `out` is the request's
 `max_tokens` capped at `max_output_tokens` (clients often send a large ceiling).
 
-The stall weight is `stall` for a short local prefill (it ranks decode replicas) and for one taken because
-the prefill pool is backed up (prefill overflow: the queue is the alternative), `long_stall` for a long one
-(it spans many engine steps and slows every running sequence). With every weight 1 the cost would be the
-request's own end-to-end estimate; `prefill` 5 charges a miss for what it does to the queue behind it and to
-the prefixes it evicts. Why each weight has its value: docs/routing.md.
+A local prefill runs chunked between D's decode steps (`ServiceTimeModel.mixed_prefill`): for `steps` mixed
+steps each running sequence waits `step` instead of its decode step, a `delay` of steps x (step - tpot(D)),
+and the next sequence D admits waits the whole prefill (steps x step: its `prefill wall`). The stall weight
+is 1 while the mixed step stays within the decode replicas' inter-token SLO (`router.tpot_slo_ms`) and
+`OVER_SLO_WEIGHT` when it would break it for every running sequence (or the next one admitted), except in
+prefill overflow (every prefill replica far behind: their queue is the alternative). With every weight 1 the
+cost would be the request's own end-to-end estimate; `prefill` 5 charges a miss for what it does to the queue
+behind it and to the prefixes it evicts. Why each weight has its value: docs/routing.md.
 """
 
 from __future__ import annotations
@@ -36,15 +39,22 @@ from router.policy.types import ReplicaView
 NonNegative = Annotated[float, msgspec.Meta(ge=0)]
 
 
+# A local prefill that breaks the inter-token SLO of every running sequence on its decode replica is worth
+# doing only if it saves this many times the delay it adds (docs/routing.md: the replay's trade of cache
+# hits against decode TPOT).
+OVER_SLO_WEIGHT = 20.0
+
+
 class CostWeights(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
     timing: ServiceTimeModel
     prefill: NonNegative  # router.prefill_weight
-    long_stall: NonNegative  # router.long_stall_weight
+    tpot_slo_s: NonNegative  # router.tpot_slo_ms / 1000
     queue: NonNegative = 1.0
     transfer: NonNegative = 1.0
     decode: NonNegative = 1.0
     kv_full_s: NonNegative = 2.0  # a judgement: the recompute of a ~40k-token context on the default model
     stall: NonNegative = 1.0
+    over_slo_stall: NonNegative = OVER_SLO_WEIGHT
     max_output_tokens: Annotated[int, msgspec.Meta(ge=0)] = 1024
 
     @staticmethod
@@ -53,7 +63,7 @@ class CostWeights(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
         return CostWeights(
             timing=timing or cfg.service_time.timing(),
             prefill=cfg.prefill_weight,
-            long_stall=cfg.long_stall_weight,
+            tpot_slo_s=cfg.tpot_slo_ms / 1000.0,
         )
 
 
@@ -95,10 +105,25 @@ def decode_term(w: CostWeights, d: ReplicaView, num_prompt_tokens: int, max_toke
     return w.decode * out * step + w.kv_full_s * d.kv_usage
 
 
-def stall_term(w: CostWeights, d: ReplicaView, prefill_s: float, *, long: bool = False) -> float:
-    """Weighted seconds decode replica `d`'s batch waits while it computes a prompt itself (`long`: a suffix
-    past the local-prefill threshold, outside prefill overflow)."""
-    return (w.long_stall if long else w.stall) * prefill_s * (d.active_seqs + 1)
+def breaks_slo(w: CostWeights, d: ReplicaView, new_tokens: int, cached: int) -> bool:
+    """Whether computing `new_tokens` after `cached` on decode replica `d` makes the steps of its running
+    sequences (or of the next one it admits) slower than the inter-token SLO."""
+    _, step = w.timing.mixed_prefill(new_tokens, cached, d.active_seqs, d.active_context_tokens)
+    return step > w.tpot_slo_s
+
+
+def stall_term(
+    w: CostWeights, d: ReplicaView, new_tokens: int, cached: int, *, overflow: bool = False
+) -> float:
+    """Weighted seconds `d`'s running sequences lose while `d` computes `new_tokens` after `cached` between
+    their decode steps, plus the whole prefill for the next sequence `d` admits (it starts after).
+    `overflow`: the prefill pool is backed up, the SLO's weight does not apply."""
+    timing = w.timing
+    batch = d.active_seqs
+    steps, step = timing.mixed_prefill(new_tokens, cached, batch, d.active_context_tokens)
+    delay = steps * (step - timing.tpot_s(batch, d.active_context_tokens))
+    weight = w.over_slo_stall if step > w.tpot_slo_s and not overflow else w.stall
+    return weight * (batch * delay + steps * step)
 
 
 def transfer_term(w: CostWeights, tokens: int, within_node: bool) -> float:

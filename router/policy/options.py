@@ -2,12 +2,14 @@
 
 - **disaggregated**: a prefill replica P computes the prompt (from its cached prefix, or one it pulls:
   `router.policy.pull`), the KV moves to decode replica D;
-- **local prefill** on D (no transfer, no second hop; D's batch waits, the stall term), offered when
-  * the uncached suffix is at most `local_prefill_max_tokens` (`local_prefill`; then it is D's only option),
-  * every prefill replica is `prefill_overflow_queue_s` behind (`prefill_overflow`, stall weighted as short),
-  * in mode `auto` otherwise too (`long_local_prefill`, stall weighted `long_stall`): a session's next turn
-    on the replica holding a 100k-token context computes its tool result in well under a second, while a
-    prefill replica lacking the context recomputes all of it;
+- **local prefill** on D (no transfer, no second hop; D's batch slows while it runs: the stall term), offered
+  when
+  * the uncached suffix is at most `local_prefill_max_tokens` (`local_prefill`; then it is D's only option
+    unless it would slow D's running sequences past the inter-token SLO, `router.tpot_slo_ms`),
+  * every prefill replica is `prefill_overflow_queue_s` behind (`prefill_overflow`),
+  * in mode `auto` otherwise too (`long_local_prefill`): a session's next turn on the replica holding a
+    100k-token context computes its tool result in well under a second, while a prefill replica lacking the
+    context recomputes all of it;
   * no prefill replica is eligible (`no_prefill_replica`).
 In mode `disaggregate` only the last of these.
 
@@ -28,6 +30,7 @@ import msgspec
 from router.config import RouterConfig
 from router.policy.cost import (
     CostWeights,
+    breaks_slo,
     decode_term,
     estimated_prefill_s,
     queue_term,
@@ -221,7 +224,7 @@ class Scorer:
         w = self.w
         own_s = self.own_s(cached)
         prefill = w.prefill * own_s
-        stall = stall_term(w, d, own_s, long=kind == "long_local_prefill")
+        stall = stall_term(w, d, self.prompt.tokens - cached, cached, overflow=kind == "prefill_overflow")
         if prefill + decode_s + stall > above:
             return None
         queue = queue_term(w, d)
@@ -244,8 +247,12 @@ def candidate_options(
     n, short_max = prompt.tokens, cfg.local_prefill_max_tokens
     auto = cfg.mode == "auto"
     held = prompt.cached_on(decode)
-    # Whether each decode replica holds all but a short suffix (then its local prefill is its only option).
-    shorts = [auto and n - c <= short_max for c in held]
+    # Whether each decode replica holds all but a short suffix whose prefill there keeps its running
+    # sequences within the inter-token SLO (then that local prefill is its only option).
+    shorts = [
+        auto and n - c <= short_max and not breaks_slo(w, d, n - c, c)
+        for d, c in zip(decode, held, strict=True)
+    ]
 
     sides: PrefillSides | None = None
     best = -1
@@ -287,7 +294,13 @@ def candidate_options(
             # Not offered when it cannot be chosen: more than the tie tolerance above an option already
             # found (the selector picks within it of the lowest). A cold prompt's prefill on a decode
             # replica, stalling its batch, rarely is; skipping it keeps a first turn's search cheap.
-            kind: Kind = "prefill_overflow" if overflow else "long_local_prefill"
+            kind: Kind = (
+                "local_prefill"
+                if auto and n - c <= short_max
+                else "prefill_overflow"
+                if overflow
+                else "long_local_prefill"
+            )
             local = scorer.local(d, c, kind, decode_s, above=lowest + TIE_TOLERANCE_S)
             if local is not None:
                 out.append(local)
@@ -317,10 +330,13 @@ def every_option(
         if not prefill:
             out.append(scorer.local(d, c, "no_prefill_replica", decode_s))
             continue
-        if auto and prompt.tokens - c <= cfg.local_prefill_max_tokens:
+        short = auto and prompt.tokens - c <= cfg.local_prefill_max_tokens
+        if short and not breaks_slo(w, d, prompt.tokens - c, c):
             out.append(scorer.local(d, c, "local_prefill", decode_s))
             continue
-        if auto:
+        if short:
+            out.append(scorer.local(d, c, "local_prefill", decode_s))
+        elif auto:
             out.append(scorer.local(d, c, "prefill_overflow" if overflow else "long_local_prefill", decode_s))
         assert sides is not None
         out.extend(scorer.disaggregated(sides, i, d, c, decode_s) for i in range(len(prefill)))

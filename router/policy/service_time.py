@@ -21,6 +21,8 @@ parameters, MLA attention, 61 layers, 128 heads). The per-GPU rates are measured
 - Decode step (TPOT) for a batch of B sequences holding K context tokens: step overhead + expert/dense
   weight bytes touched by B tokens (top-k of the experts) streamed at the measured small-M weight-streaming
   rate + K x kv_bytes_per_token streamed at the measured decode-attention rate.
+- A prefill on a decode replica (`mixed_prefill`): chunked between its decode steps as vLLM schedules it, each
+  mixed step as slow as the larger of the decode step and the chunk.
 - KV transfer P -> D: bytes / link bandwidth (8 x 400 Gb/s InfiniBand per node across nodes; NVLink within a
   node), plus a fixed setup latency.
 
@@ -95,11 +97,17 @@ class ServiceTime(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 
     hardware: Hardware = "h200"
     gpus_per_replica: PositiveInt = 8
+    # The decode engines' token budget per step (their vLLM max_num_batched_tokens; vLLM's default on
+    # H100/H200-class GPUs): how a prefill on a decode replica is chunked between its decode steps.
+    decode_chunk_tokens: PositiveInt = 8192
     model: ModelShape = msgspec.field(default_factory=ModelShape)
 
     def timing(self) -> ServiceTimeModel:
         return ServiceTimeModel(
-            shape=self.model, rates=GpuRates.measured(self.hardware), gpus_per_replica=self.gpus_per_replica
+            shape=self.model,
+            rates=GpuRates.measured(self.hardware),
+            gpus_per_replica=self.gpus_per_replica,
+            chunk_tokens=self.decode_chunk_tokens,
         )
 
 
@@ -115,6 +123,7 @@ class ServiceTimeModel(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     link_bytes_per_s: Positive = 400e9
     same_node_link_bytes_per_s: Positive = 3.6e12
     transfer_setup_s: NonNegative = 0.002
+    chunk_tokens: PositiveInt = 8192  # ServiceTime.decode_chunk_tokens
 
     def prefill_s(self, new_tokens: int, cached_tokens: int) -> float:
         """Seconds to compute `new_tokens` prompt tokens after `cached_tokens` taken from the prefix cache."""
@@ -139,6 +148,19 @@ class ServiceTimeModel(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
         weights = weight_bytes / (r.weight_stream_bytes_per_s * self.gpus_per_replica)
         kv = context_tokens * m.kv_bytes_per_token / (r.kv_stream_bytes_per_s * self.gpus_per_replica)
         return self.decode_step_overhead_s + weights + kv
+
+    def mixed_prefill(
+        self, new_tokens: int, cached_tokens: int, batch: int, context_tokens: int
+    ) -> tuple[int, float]:
+        """(steps, seconds per step) of a prefill on a decode replica running `batch` sequences of
+        `context_tokens`: vLLM's chunked prefill fills each step's token budget (`chunk_tokens`, less one
+        token per running sequence) with prompt tokens, so the prompt takes ceil(new / chunk) steps, each
+        about the larger of the decode step and its share of the prefill (both bound by the same GPUs, a
+        mixed step is as slow as its slower part). Every running sequence makes one token per step."""
+        prefill = self.prefill_s(new_tokens, cached_tokens)
+        chunk = max(1, self.chunk_tokens - batch)
+        steps = max(1, -(-new_tokens // chunk))
+        return steps, max(self.tpot_s(batch, context_tokens), prefill / steps)
 
     def transfer_s(self, tokens: int, same_node: bool = False) -> float:
         """Seconds to move `tokens` tokens of KV from a prefill to a decode replica."""

@@ -1,10 +1,11 @@
-"""pdserve's routing decisions on fixed replay slices are the ones recorded before the policy wing was rebuilt
-(data/pdserve_decisions.json.gz, written by the policy as of 3c57f82): a refactor of the cost, the options
-or the selector must not change a single decision, nor the cost it was made at.
+"""pdserve's routing decisions on fixed replay slices are the ones recorded (data/pdserve_decisions.json.gz):
+a refactor of the cost, the options or the selector must not change a single decision, nor the cost it was
+made at.
 
-The slices cover every outcome label (disaggregated, local, long local, prefill overflow, affinity) and
-readback with exports. A deliberate change of the policy re-records the file (`record_decisions` below) and
-says why in its commit.
+Recorded last when a local prefill's stall became the chunked-prefill delay priced against the inter-token SLO
+(`router.tpot_slo_ms`, replacing `long_stall_weight`). The slices cover every outcome label (disaggregated,
+local, long local, prefill overflow, affinity) and readback with exports. A deliberate change of the policy
+re-records the file (`record_decisions` below) and says why in its commit.
 """
 
 from __future__ import annotations

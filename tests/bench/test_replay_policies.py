@@ -25,7 +25,7 @@ def test_the_report_names_the_settings_pdserves_numbers_depend_on() -> None:
     line = describe_pdserve(RouterConfig(local_prefill_max_tokens=768))
     assert line == (
         "pdserve: mode auto, local_prefill_max_tokens 768, prefill weight 5, balance 0.2, churn 0.5, "
-        "long local prefill stall x20, prefill overflow at 10 s queued"
+        "decode inter-token SLO 50 ms, prefill overflow at 10 s queued"
     )
     off = describe_pdserve(RouterConfig(mode="disaggregate", prefill_overflow_queue_s=None))
     assert off.startswith("pdserve: mode disaggregate,") and off.endswith("prefill overflow off")

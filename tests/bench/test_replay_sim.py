@@ -290,6 +290,23 @@ def test_local_prefill_uses_the_decode_replicas_cache() -> None:
     assert result.prefill_util == 0.0 and result.local_prefill_share == 1.0
 
 
+def test_a_local_prefill_is_chunked_between_the_running_sequences_decode_steps() -> None:
+    # B's prompt (600 blocks) is prefilled on the decode replica where A is decoding: vLLM's chunked prefill
+    # mixes it into A's steps (64-token budget: ~150 steps), so A keeps generating, at one token per mixed
+    # step, and finishes long before B's prefill ends, rather than waiting for all of it.
+    timing = msgspec.structs.replace(ServiceTimeModel(), chunk_tokens=64)
+    trace = make_trace([[[1]], [list(range(100, 700))]], closed_loop=False, arrivals=[0.0, 0.0])
+    sim = simulate(trace, SimConfig(prefill_replicas=0, decode_replicas=1, timing=timing))
+    a, b = sorted(sim.records, key=lambda r: r.num_blocks)
+    assert b.local_prefill and b.prefill_start == pytest.approx(a.prefill_end)
+    steps, step = timing.mixed_prefill(b.computed_tokens, 0, 1, a.cached_tokens + a.computed_tokens)
+    assert steps > 100
+    assert b.prefill_end - b.prefill_start == pytest.approx(steps * step)
+    assert a.finish < b.prefill_end
+    assert a.first_token - a.prefill_end == pytest.approx(timing.tpot_s(1, 1 * BLOCK + 1))
+    assert a.finish - a.first_token == pytest.approx(3 * step)  # its other tokens, at the mixed pace
+
+
 # ---- load setting ----------------------------------------------------------------------------------------
 
 

@@ -65,6 +65,8 @@ def test_the_h200_example_routes_with_the_defaults_the_replay_evaluates() -> Non
         h200.router, service_time=RouterConfig().service_time
     ) == msgspec.structs.replace(RouterConfig(), overload_queue_tokens=h200.router.overload_queue_tokens)
     assert h200.router.service_time.model.num_experts == 384  # Kimi-K2's shape, not DeepSeek-V3's
+    # Local prefills are costed as chunked the way its decode engines chunk them.
+    assert h200.router.service_time.decode_chunk_tokens == h200.pools.decode.engine.max_num_batched_tokens
 
 
 def test_local_topology_is_the_defaults_written_out() -> None:

@@ -6,6 +6,7 @@ from router.kv_index import KvIndex
 from router.policy.baselines import (
     LAUNCHER_DEFAULTS,
     RUST_DEFAULTS,
+    DynamoConditionalPolicy,
     DynamoKvPolicy,
     LeastLoadedPolicy,
     RoundRobinPolicy,
@@ -105,3 +106,23 @@ def test_dynamo_cost_is_overlap_weighted_prefill_blocks_plus_decode_blocks() -> 
     # Queue on p0 of 40 blocks: logit 40 + (640+1024)//16 = 144 > p1's 128
     d = pol.choose(req, [view("p0", queued=640), view("p1")], [view("d0", "decode")], index)
     assert d.prefill == "p1" and d.cost == 128.0
+
+
+def test_dynamo_conditional_prefills_a_short_uncached_suffix_on_the_decode_worker_its_kv_router_picks() -> (
+    None
+):
+    pol = DynamoConditionalPolicy()
+    pres = [view("p0"), view("p1")]
+    decs = [view("d0", "decode"), view("d1", "decode")]
+    # d1 holds all but 512 tokens (<= max_local_prefill_length 1000): the KV router picks it, it prefills.
+    d = pol.choose(request(4096), pres, decs, FixedLookup({"d1": (4096 - 512) // BS}))
+    assert (d.decode, d.prefill, d.local_prefill, d.reason) == ("d1", None, True, "dynamo_local")
+    # 3000 uncached tokens: remote prefill, on the prefill worker Dynamo's KV cost picks (p1 holds more).
+    d = pol.choose(request(4096), pres, decs, FixedLookup({"d1": 1096 // BS, "p1": 2048 // BS}))
+    assert (d.decode, d.prefill, d.local_prefill, d.reason) == ("d1", "p1", False, "dynamo_conditional")
+    # With the prefill queue full (max_prefill_queue_size per worker), the decode worker prefills it anyway.
+    busy = [view("p0", reqs=2), view("p1", reqs=2)]
+    d = pol.choose(request(4096), busy, decs, FixedLookup({"d1": 1096 // BS}))
+    assert d.local_prefill and d.decode == "d1"
+    # No eligible prefill worker at all: local.
+    assert pol.choose(request(4096), [view("p0", ready=False)], decs, FixedLookup()).local_prefill

@@ -23,18 +23,15 @@ def cost(
     cached_on_computing: int,
     decode: ReplicaView,
     cached_on_decode: int,
-    *,
-    long_stall: bool = False,
 ) -> Terms:
     """The terms the options give computing the prompt on `computing` and decoding on `decode` (the same
-    replica: a local prefill; `long_stall`: a long one), without pulls or balance charges."""
+    replica: a local prefill), without pulls or balance charges."""
     matched = {computing.replica_id: cached_on_computing, decode.replica_id: cached_on_decode}
     prompt = Prompt(tokens=tokens, max_tokens=max_tokens, block_size=1, matched=matched)
     scorer = Scorer(w, prompt, None)
     decode_s = decode_term(w, decode, tokens, max_tokens)
     if computing.replica_id == decode.replica_id:
-        kind = "long_local_prefill" if long_stall else "local_prefill"
-        return scorer.local(decode, cached_on_decode, kind, decode_s).terms
+        return scorer.local(decode, cached_on_decode, "local_prefill", decode_s).terms
     sides = scorer.prefill_sides([computing], Balance(RecentWork(), RecentWork(), 0.0, 0.0))
     return scorer.disaggregated(sides, 0, decode, cached_on_decode, decode_s).terms
 
@@ -134,25 +131,34 @@ def test_the_service_time_comes_from_the_configured_model_shape_and_hardware() -
     assert lighter.prefill_s(8000, 0) < T.prefill_s(8000, 0) and lighter.tpot_s(8, 0) < T.tpot_s(8, 0)
 
 
-def test_a_local_prefill_charges_its_seconds_once_per_sequence_in_the_decode_batch() -> None:
-    # While the decode replica computes the prompt, its batch (3 running + the next admitted) waits.
-    d = view("d", "decode", active=3)
-    t = cost(W, 8000, 1, d, 4000, d, 4000)
-    assert t.stall == pytest.approx(W.stall * T.prefill_s(4000, 4000) * 4)
+def test_a_local_prefill_charges_the_delay_its_mixed_steps_add_to_every_running_sequence() -> None:
+    # Chunked between the decode steps: 4000 new tokens in one 8192-token step, as slow as the prefill.
+    d = msgspec.structs.replace(view("d", "decode", active=3), active_context_tokens=3_000)
+    steps, step = T.mixed_prefill(4000, 4000, 3, 3_000)
+    assert (steps, step) == (1, pytest.approx(T.prefill_s(4000, 4000)))
+    delay = step - T.tpot_s(3, 3_000)  # each running sequence's step takes this much longer
+    loose = msgspec.structs.replace(W, tpot_slo_s=10.0)  # the step stays within this SLO: weight 1
+    t = cost(loose, 8000, 1, d, 4000, d, 4000)
+    assert t.stall == pytest.approx(3 * delay + step)  # and the next sequence admitted waits it all
     assert t.total == pytest.approx(t.prefill + t.queue + t.decode + t.stall)
     idle = view("d", "decode")
-    assert cost(W, 8000, 1, idle, 4000, idle, 4000).stall == pytest.approx(t.stall / 4)
-    off = msgspec.structs.replace(W, stall=0.0)
-    assert cost(off, 8000, 1, d, 4000, d, 4000).stall == 0.0
+    assert cost(loose, 8000, 1, idle, 4000, idle, 4000).stall == pytest.approx(T.prefill_s(4000, 4000))
+    # The next sequence admitted to an idle replica meets the same steps: a long prefill breaks the SLO.
+    assert cost(W, 8000, 1, idle, 4000, idle, 4000).stall == pytest.approx(
+        W.over_slo_stall * T.prefill_s(4000, 4000)
+    )
+    # A prompt longer than a step's budget takes several mixed steps, each at least a decode step.
+    steps, step = T.mixed_prefill(20_000, 0, 3, 3_000)
+    assert steps == 3 and step >= T.tpot_s(3, 3_000)
 
 
-def test_a_long_local_prefill_weighs_its_batchs_wait_with_its_own_weight() -> None:
-    d = view("d", "decode", active=3)
-    short = cost(W, 8000, 1, d, 4000, d, 4000).stall
-    long = cost(W, 8000, 1, d, 4000, d, 4000, long_stall=True)
-    assert long.stall == pytest.approx(W.long_stall * T.prefill_s(4000, 4000) * 4)
-    assert long.stall == pytest.approx(short * W.long_stall / W.stall)
-    assert long.total == pytest.approx(long.prefill + long.queue + long.decode + long.stall)
-    # Only a local prefill stalls a decode batch.
+def test_a_local_prefill_that_breaks_the_inter_token_slo_is_charged_over_slo_weight() -> None:
+    d = msgspec.structs.replace(view("d", "decode", active=3), active_context_tokens=3_000)
+    _, step = T.mixed_prefill(4000, 4000, 3, 3_000)
+    within = cost(msgspec.structs.replace(W, tpot_slo_s=step * 1.01), 8000, 1, d, 4000, d, 4000)
+    broken = cost(msgspec.structs.replace(W, tpot_slo_s=step * 0.99), 8000, 1, d, 4000, d, 4000)
+    assert broken.stall == pytest.approx(within.stall * W.over_slo_stall / W.stall)
+    assert RouterConfig().tpot_slo_ms / 1e3 == W.tpot_slo_s
+    # Only a local prefill slows a decode batch.
     p = view("p")
-    assert cost(W, 8000, 1, p, 4000, d, 4000, long_stall=True).stall == 0.0
+    assert cost(W, 8000, 1, p, 4000, d, 4000).stall == 0.0

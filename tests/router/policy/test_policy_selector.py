@@ -99,7 +99,7 @@ def test_mode_disaggregate_always_prefills_on_a_prefill_replica_while_one_is_eli
 def test_a_decode_replica_holding_a_long_context_prefills_a_long_suffix_when_the_hop_costs_more() -> None:
     # d0 holds 126k of a 128k-token session context; the prefill replica holds none of it. Recomputing it all
     # there costs ~20 s; d0 computes the 2k new tokens over its cached context in well under a second, which
-    # its idle batch's wait (x `long_stall`) does not outweigh.
+    # its wait (x `over_slo_stall`: the next sequence admitted meets steps past the SLO) does not outweigh.
     n, held = 128 * 1024, {"d0": (128 * 1024 - 2048) // BS}
     d = choose([view("p0")], [view("d0", "decode")], held, n=n)
     assert d.local_prefill and d.prefill is None and d.decode == "d0" and d.reason == "long_local_prefill"
@@ -115,7 +115,7 @@ def test_a_decode_replica_holding_a_long_context_prefills_a_long_suffix_when_the
 
 def test_prefill_overflow_charges_a_long_local_prefill_as_a_short_one() -> None:
     # d0 holds 48k of a 64k prompt: 16k tokens is far above the local threshold, and d0's ~2 s prefill
-    # weighted `long_stall` costs more than a prefill replica computing all 64k (~5 s) after a 12 s queue.
+    # weighted `over_slo_stall` costs more than a prefill replica computing all 64k (~5 s) after a 12 s queue.
     # With every prefill replica at least `prefill_overflow_queue_s` behind, the stall is weighted `stall`:
     # d0 computes the suffix itself.
     n, decs, held = 64_000, [view("d0", "decode")], {"d0": 3000}
