@@ -17,6 +17,7 @@ from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
 
+from engine.gpu_stats import GpuReader
 from engine.messages import (
     Constraint,
     EngineRequest,
@@ -86,6 +87,8 @@ class EngineHost:
             spec, replica_id, node_ip, (pub_port, replay_port)
         )
         self.counters = EngineCounters()
+        # NVML is only opened where the engine runs on GPUs.
+        self._gpus = GpuReader(enabled=spec.device == "cuda")
         self._llm: Any = None
         self._failure: str | None = None
         self._failed = asyncio.Event()
@@ -293,7 +296,9 @@ class EngineHost:
             prompt_tokens_external_kv=c.prompt_tokens_external_kv,
             nixl_bytes_transferred=c.nixl_bytes_transferred,
             nixl_transfers=c.nixl_transfers,
+            nixl_transfer_seconds=c.nixl_transfer_seconds,
             requests_finished=c.requests_finished,
+            gpus=self._gpus.sample(),
         )
 
     def info(self, *, draining: bool = False) -> ReplicaInfo:

@@ -121,6 +121,17 @@ class TokenBatch(msgspec.Struct, frozen=True, kw_only=True):
     logprobs: list[TokenLogprob] | None = None
 
 
+class GpuSample(msgspec.Struct, frozen=True, kw_only=True):
+    """One GPU of a replica, as NVML reads it (engine/gpu_stats.py)."""
+
+    index: int  # among the GPUs the replica's process sees
+    power_w: float
+    temperature_c: float
+    sm_clock_mhz: float
+    memory_used_bytes: int
+    memory_total_bytes: int
+
+
 class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     """A replica's counters and load, read from its engine's own statistics."""
 
@@ -137,6 +148,9 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     nixl_bytes_transferred: int
     nixl_transfers: int
     requests_finished: int
+    # Seconds the NIXL transfers took (vLLM's NixlConnector's own timing), summed.
+    nixl_transfer_seconds: float = 0.0
+    gpus: list[GpuSample] = []
 
 
 class ReplicaInfo(msgspec.Struct, frozen=True, kw_only=True):

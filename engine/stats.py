@@ -23,6 +23,7 @@ class EngineCounters:
     prompt_tokens_external_kv: int = 0
     nixl_bytes_transferred: int = 0
     nixl_transfers: int = 0
+    nixl_transfer_seconds: float = 0.0
     requests_finished: int = 0
     # When the engine last reported a step (monotonic clock): how a hung engine is told from a busy one.
     last_step_at: float = field(default_factory=time.monotonic)
@@ -37,6 +38,9 @@ class EngineCounters:
                 transferred = _sum_key(scheduler_stats.kv_connector_stats, "bytes_transferred")
                 self.nixl_bytes_transferred += int(transferred[0])
                 self.nixl_transfers += transferred[1]
+                self.nixl_transfer_seconds += _sum_key(
+                    scheduler_stats.kv_connector_stats, "transfer_duration"
+                )[0]
         if iteration_stats is not None:
             tokens = iteration_stats.prompt_token_stats
             self.prompt_tokens_computed += tokens.computed

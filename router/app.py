@@ -68,6 +68,7 @@ class RouterProcess:
         self.view = ClusterView(
             self._registry, block_size=model.block_size, timing=self.policy.weights.timing
         )
+        self.metrics.watch(model.name, lambda: self.view.replicas, self.view.load)
         # Read secrets and certificates now, not on the event loop; the token's value is never logged.
         self._tls = None
         if server.tls is not None:

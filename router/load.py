@@ -156,6 +156,14 @@ class LoadTracker:
     # ---- views
     # ----------------------------------------------------------------------------------------------
 
+    def queues(self) -> list[tuple[str, Role, int, int]]:
+        """(replica, role, queued prefill requests, their uncached tokens) of every replica. Safe to call
+        from another thread (the metrics server's): it copies the table in one step and only reads."""
+        return [
+            (rid, r.role, r.queued_prefill_requests, r.queued_prefill_tokens)
+            for rid, r in list(self._replicas.items())
+        ]
+
     def views(self, role: Role) -> list[ReplicaView]:
         """Every replica of `role`, including not-ready and draining ones (policies skip those).
 

@@ -7,9 +7,15 @@ router believes and what the engine did is visible.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
+from engine.messages import ReplicaInfo
+from router.load import LoadTracker
 from router.policy.types import Terms
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -114,6 +120,19 @@ class RouterMetrics:
             buckets=(0.001, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 60.0, 600.0),
             registry=r,
         )
+        self.itl = Histogram(
+            "pdserve_itl_seconds",
+            "Inter-token latency as the client sees it: the gap between streamed messages divided by the "
+            "tokens the later one carries (one observation per token).",
+            buckets=_TPOT_BUCKETS_S,
+            registry=r,
+        )
+        self.decision_seconds = Histogram(
+            "pdserve_routing_decision_seconds",
+            "Time the router takes to route one request (index lookup, cost, selection).",
+            buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.05),
+            registry=r,
+        )
         self.chat_tokens = Counter(
             "pdserve_chat_prompt_tokens",
             "Chat prompt token ids by how the router got them: 'encoded' by the tokenizer, or 'reused' from "
@@ -135,6 +154,12 @@ class RouterMetrics:
             for term, seconds in msgspec.structs.asdict(terms).items():
                 self.cost_terms.labels(term=term).observe(seconds)
 
+    def observe_itl(self, gap_s: float, tokens: int) -> None:
+        """A streamed message of `tokens` tokens arrived `gap_s` after the previous one."""
+        per_token = gap_s / tokens
+        for _ in range(tokens):
+            self.itl.observe(per_token)
+
     def on_token_ids(self, reused: int, received: int) -> None:
         self.token_id_tokens.labels(source="reused").inc(reused)
         self.token_id_tokens.labels(source="converted").inc(received)
@@ -143,6 +168,101 @@ class RouterMetrics:
         self.chat_tokens.labels(source="reused").inc(reused)
         self.chat_tokens.labels(source="encoded").inc(encoded)
 
+    def watch(self, model: str, replicas: Callable[[], dict[str, ReplicaInfo]], load: LoadTracker) -> None:
+        """Also export every engine replica's own statistics (as its registry entry last carried them) and
+        the router's queue, read at each scrape."""
+        self.registry.register(_ClusterCollector(model, replicas, load))
+
     def serve(self, host: str, port: int) -> None:
         """Expose /metrics (prometheus-client's own HTTP server thread)."""
         start_http_server(port, addr=host, registry=self.registry)
+
+
+# (metric name, help, EngineStats field) of the engines' own statistics, labelled replica, role, model.
+_ENGINE_GAUGES = (
+    ("pdserve_engine_running_requests", "Requests the engine is running (vLLM's scheduler).", "running"),
+    ("pdserve_engine_waiting_requests", "Requests waiting in the engine's queue.", "waiting"),
+    (
+        "pdserve_engine_kv_cache_usage",
+        "Share of the engine's KV cache blocks in use (0-1).",
+        "kv_cache_usage",
+    ),
+)
+_ENGINE_COUNTERS = (
+    ("pdserve_engine_prompt_tokens_computed", "Prompt tokens the engine computed.", "prompt_tokens_computed"),
+    (
+        "pdserve_engine_prompt_tokens_cache_hit",
+        "Prompt tokens the engine took from its own prefix cache.",
+        "prompt_tokens_local_cache_hit",
+    ),
+    (
+        "pdserve_engine_prompt_tokens_external_kv",
+        "Prompt tokens whose KV the engine received over NIXL.",
+        "prompt_tokens_external_kv",
+    ),
+    (
+        "pdserve_engine_kv_transfer_bytes",
+        "Bytes of KV moved over NIXL (vLLM's NixlConnector).",
+        "nixl_bytes_transferred",
+    ),
+    ("pdserve_engine_kv_transfers", "KV transfers over NIXL.", "nixl_transfers"),
+    (
+        "pdserve_engine_kv_transfer_seconds",
+        "Seconds the NIXL KV transfers took, summed.",
+        "nixl_transfer_seconds",
+    ),
+    ("pdserve_engine_requests_finished", "Requests the engine finished.", "requests_finished"),
+)
+# (metric name, help, GpuSample field) per GPU, from NVML (nothing on machines without NVIDIA GPUs).
+_GPU_GAUGES = (
+    ("pdserve_gpu_power_watts", "GPU power draw (NVML).", "power_w"),
+    ("pdserve_gpu_temperature_celsius", "GPU temperature (NVML).", "temperature_c"),
+    ("pdserve_gpu_sm_clock_mhz", "GPU SM clock (NVML).", "sm_clock_mhz"),
+    ("pdserve_gpu_memory_used_bytes", "GPU memory in use (NVML).", "memory_used_bytes"),
+    ("pdserve_gpu_memory_total_bytes", "GPU memory (NVML).", "memory_total_bytes"),
+)
+
+
+class _ClusterCollector(Collector):
+    """Reads the router's cluster view at scrape time (from the metrics server's thread: it only reads)."""
+
+    def __init__(self, model: str, replicas: Callable[[], dict[str, ReplicaInfo]], load: LoadTracker) -> None:
+        self._model = model
+        self._replicas = replicas
+        self._load = load
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["replica", "role", "model"]
+        gauges = {n: GaugeMetricFamily(n, h, labels=labels) for n, h, _ in _ENGINE_GAUGES}
+        counters = {n: CounterMetricFamily(n, h, labels=labels) for n, h, _ in _ENGINE_COUNTERS}
+        gpus = {n: GaugeMetricFamily(n, h, labels=[*labels, "gpu"]) for n, h, _ in _GPU_GAUGES}
+        for info in list(self._replicas().values()):
+            s = info.stats
+            if s is None:
+                continue
+            ids = [info.replica_id, info.role, self._model]
+            for name, _, field in _ENGINE_GAUGES:
+                gauges[name].add_metric(ids, float(getattr(s, field)))
+            for name, _, field in _ENGINE_COUNTERS:
+                counters[name].add_metric(ids, float(getattr(s, field)))
+            for gpu in s.gpus:
+                for name, _, field in _GPU_GAUGES:
+                    gpus[name].add_metric([*ids, str(gpu.index)], float(getattr(gpu, field)))
+        yield from gauges.values()
+        yield from counters.values()
+        yield from gpus.values()
+        queued_requests = GaugeMetricFamily(
+            "pdserve_router_queued_prefill_requests",
+            "Prefill legs the router dispatched that have not finished, per replica (its queue).",
+            labels=["replica", "role"],
+        )
+        queued_tokens = GaugeMetricFamily(
+            "pdserve_router_queued_prefill_tokens",
+            "Uncached prompt tokens of those legs, per replica.",
+            labels=["replica", "role"],
+        )
+        for replica, role, requests, tokens in self._load.queues():
+            queued_requests.add_metric([replica, role], requests)
+            queued_tokens.add_metric([replica, role], tokens)
+        yield queued_requests
+        yield queued_tokens

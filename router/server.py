@@ -179,7 +179,9 @@ class PdserveService(pb_grpc.PdserveServicer):
 
         def route(prompt: list[int], sampling: Sampling, reuse: PromptReuse | None = None) -> Route:
             try:
+                began = time.perf_counter()
                 chosen = self._router.route(request_id, session_id, prompt, sampling, reuse)
+                self._metrics.decision_seconds.observe(time.perf_counter() - began)
             except Overloaded as exc:
                 raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from exc
             except NoEligibleReplica as exc:
@@ -211,10 +213,16 @@ class PdserveService(pb_grpc.PdserveServicer):
                 attempts=self._config.current.failover_attempts,
                 on_prefill_done=lambda: self._router.prefill_done(request_id),
             )
+            last_batch_at: float | None = None
             async for event in events:
                 if isinstance(event, TokenBatch):
-                    if event.token_ids and first_token_at is None:
-                        first_token_at = time.monotonic()
+                    if event.token_ids:
+                        now = time.monotonic()
+                        if first_token_at is None:
+                            first_token_at = now
+                        else:
+                            self._metrics.observe_itl(now - (last_batch_at or now), len(event.token_ids))
+                        last_batch_at = now
                     parsed = output.feed(event.token_ids, event.text)
                     yield _response(request_id, parsed, token_ids=event.token_ids, logprobs=event.logprobs)
                 else:

@@ -212,6 +212,36 @@ def test_list_models_health_and_metrics(client: PdserveClient, cluster: Any) -> 
     assert "pdserve_ttft_seconds_bucket" in body
 
 
+def test_metrics_carry_what_the_dashboard_queries_from_the_real_engines(
+    client: PdserveClient, cluster: Any
+) -> None:
+    import re
+    import urllib.request
+
+    from dashboard import dashboard_metrics
+
+    for i in range(3):  # disaggregated requests long enough to stream several messages each
+        client.generate_text(prompt=f"metrics {i} " * 40, max_tokens=40, ignore_eos=True)
+    deadline = time.monotonic() + 30  # engine statistics reach the router with the next heartbeat
+    while True:
+        body = urllib.request.urlopen(cluster.metrics_url, timeout=10).read().decode()
+        external = re.search(
+            r'pdserve_engine_prompt_tokens_external_kv_total\{[^}]*role="decode"[^}]*\} (\S+)', body
+        )
+        if (external and float(external.group(1)) > 0) or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    exported = set(re.findall(r"^(pdserve_[a-z0-9_]+)", body, re.M))
+    # No GPU here: NVML's series are absent (tests/engine/test_gpu_stats.py covers them).
+    wanted = {m for m in dashboard_metrics() if not m.startswith("pdserve_gpu_")}
+    assert not wanted - exported, sorted(wanted - exported)
+    # The engines' own numbers, by replica, role and model: the decode engine took KV over NIXL, in bytes.
+    assert external is not None and float(external.group(1)) > 0
+    moved = re.search(r'pdserve_engine_kv_transfer_bytes_total\{[^}]*role="decode"[^}]*\} (\S+)', body)
+    assert moved is not None and float(moved.group(1)) > 0
+    assert 'model="tiny-llama"' in body
+
+
 AGENT_TOOLS = [
     {
         "name": "get_weather",
