@@ -113,15 +113,25 @@ def breaks_slo(w: CostWeights, d: ReplicaView, new_tokens: int, cached: int) -> 
 
 
 def stall_term(
-    w: CostWeights, d: ReplicaView, new_tokens: int, cached: int, *, overflow: bool = False
+    w: CostWeights,
+    d: ReplicaView,
+    new_tokens: int,
+    cached: int,
+    prefill_s: float,
+    *,
+    overflow: bool = False,
 ) -> float:
     """Weighted seconds `d`'s running sequences lose while `d` computes `new_tokens` after `cached` between
     their decode steps, plus the whole prefill for the next sequence `d` admits (it starts after).
-    `overflow`: the prefill pool is backed up, the SLO's weight does not apply."""
+    `prefill_s`: that prefill's own seconds. `overflow`: the prefill pool is backed up, the SLO's weight
+    does not apply."""
     timing = w.timing
     batch = d.active_seqs
-    steps, step = timing.mixed_prefill(new_tokens, cached, batch, d.active_context_tokens)
-    delay = steps * (step - timing.tpot_s(batch, d.active_context_tokens))
+    tpot = timing.tpot_s(batch, d.active_context_tokens)
+    steps, step = timing.mixed_prefill(
+        new_tokens, cached, batch, d.active_context_tokens, prefill_s=prefill_s, tpot_s=tpot
+    )
+    delay = steps * (step - tpot)
     weight = w.over_slo_stall if step > w.tpot_slo_s and not overflow else w.stall
     return weight * (batch * delay + steps * step)
 

@@ -224,7 +224,9 @@ class Scorer:
         w = self.w
         own_s = self.own_s(cached)
         prefill = w.prefill * own_s
-        stall = stall_term(w, d, self.prompt.tokens - cached, cached, overflow=kind == "prefill_overflow")
+        stall = stall_term(
+            w, d, self.prompt.tokens - cached, cached, own_s, overflow=kind == "prefill_overflow"
+        )
         if prefill + decode_s + stall > above:
             return None
         queue = queue_term(w, d)

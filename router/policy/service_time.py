@@ -150,17 +150,26 @@ class ServiceTimeModel(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
         return self.decode_step_overhead_s + weights + kv
 
     def mixed_prefill(
-        self, new_tokens: int, cached_tokens: int, batch: int, context_tokens: int
+        self,
+        new_tokens: int,
+        cached_tokens: int,
+        batch: int,
+        context_tokens: int,
+        *,
+        prefill_s: float | None = None,
+        tpot_s: float | None = None,
     ) -> tuple[int, float]:
         """(steps, seconds per step) of a prefill on a decode replica running `batch` sequences of
         `context_tokens`: vLLM's chunked prefill fills each step's token budget (`chunk_tokens`, less one
         token per running sequence) with prompt tokens, so the prompt takes ceil(new / chunk) steps, each
         about the larger of the decode step and its share of the prefill (both bound by the same GPUs, a
-        mixed step is as slow as its slower part). Every running sequence makes one token per step."""
-        prefill = self.prefill_s(new_tokens, cached_tokens)
+        mixed step is as slow as its slower part). Every running sequence makes one token per step.
+        `prefill_s`, `tpot_s`: the prefill's and the batch's decode step's seconds, when already known."""
+        prefill = self.prefill_s(new_tokens, cached_tokens) if prefill_s is None else prefill_s
+        tpot = self.tpot_s(batch, context_tokens) if tpot_s is None else tpot_s
         chunk = max(1, self.chunk_tokens - batch)
         steps = max(1, -(-new_tokens // chunk))
-        return steps, max(self.tpot_s(batch, context_tokens), prefill / steps)
+        return steps, max(tpot, prefill / steps)
 
     def transfer_s(self, tokens: int, same_node: bool = False) -> float:
         """Seconds to move `tokens` tokens of KV from a prefill to a decode replica."""
