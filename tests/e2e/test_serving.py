@@ -212,6 +212,23 @@ def test_list_models_health_and_metrics(client: PdserveClient, cluster: Any) -> 
     assert "pdserve_ttft_seconds_bucket" in body
 
 
+def test_pdserve_bench_sweeps_four_rates_on_the_real_cluster(cluster: Any, tmp_path: Path) -> None:
+    out = tmp_path / "sweep.json"
+    run = cluster.cli(
+        "bench", "--target", cluster.target, "--mode", "sweep", "--rates", "1,2,4,8", "--num-requests", "6",
+        "--input-len", "lognormal:256,0.5", "--output-len", "fixed:8", "--prefix-groups", "2",
+        "--prefix-len", "128", "--json", str(out), timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    results = json.loads(out.read_text())["results"]
+    assert [r["offered_rate"] for r in results] == [1, 2, 4, 8]
+    for r in results:
+        assert r["requests"] == 6 and not r["failed"] and r["ttft_s"]["p99"] > 0
+        assert set(r["paths"]) <= {"disaggregated", "local_prefill"}  # this cluster always disaggregates...
+        assert r["paths"].get("disaggregated", 0) == 1.0  # ...(router.mode disaggregate)
+    assert any(r["cached_share"] > 0 for r in results)  # the shared prefixes hit the caches
+
+
 def test_metrics_carry_what_the_dashboard_queries_from_the_real_engines(
     client: PdserveClient, cluster: Any
 ) -> None:

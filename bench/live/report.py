@@ -1,0 +1,113 @@
+"""What a benchmark run reports: latency percentiles, throughput, goodput, cache hits and serving paths."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+from bench.live.runner import Timed
+
+
+@dataclass(frozen=True)
+class Slo:
+    ttft_s: float = 2.0
+    tpot_s: float = 0.1
+
+    @staticmethod
+    def parse(text: str) -> Slo:
+        """`ttft=SECONDS,tpot=SECONDS` (either may be left out)."""
+        given: dict[str, float] = {}
+        for part in text.split(","):
+            key, _, value = part.partition("=")
+            try:
+                seconds = float(value)
+            except ValueError:
+                seconds = -1.0
+            if key.strip() not in ("ttft", "tpot") or not seconds > 0:
+                raise ValueError(f"{part!r}: expected ttft=SECONDS or tpot=SECONDS (> 0)")
+            given[key.strip()] = seconds
+        return Slo(ttft_s=given.get("ttft", Slo.ttft_s), tpot_s=given.get("tpot", Slo.tpot_s))
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (q in 0..100); NaN for no values."""
+    if not values:
+        return math.nan
+    s = sorted(values)
+    return s[max(0, min(len(s) - 1, math.ceil(q / 100 * len(s)) - 1))]
+
+
+@dataclass(frozen=True)
+class RunResult:
+    label: str  # e.g. "rate 4/s", "concurrency 1"
+    offered_rate: float | None  # requests per second sent (open loop), None for closed loop
+    requests: int
+    failed: dict[str, int]  # gRPC status -> count, of requests that did not finish OK
+    duration_s: float
+    throughput_rps: float
+    output_tokens_per_s: float
+    ttft_s: dict[str, float]  # p50 / p95 / p99
+    tpot_s: dict[str, float]
+    itl_s: dict[str, float]
+    e2e_s: dict[str, float]
+    goodput_rps: float  # requests meeting the SLO's TTFT and TPOT together, per second
+    goodput_share: float
+    cached_share: float  # prompt tokens served from a cache (engine-reported)
+    paths: dict[str, float]  # serving path -> share of requests
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def summarize(
+    label: str, offered: float | None, timed: Sequence[Timed], duration_s: float, slo: Slo
+) -> RunResult:
+    ok = [t for t in timed if t.ok]
+    failed = Counter(t.status for t in timed if not t.ok)
+
+    def pcts(values: list[float]) -> dict[str, float]:
+        return {f"p{q}": percentile(values, q) for q in (50, 95, 99)}
+
+    good = [t for t in ok if (t.ttft or 0.0) <= slo.ttft_s and (t.tpot is None or t.tpot <= slo.tpot_s)]
+    prompt = sum(t.prompt_tokens for t in ok)
+    paths = Counter(t.path for t in ok)
+    return RunResult(
+        label=label,
+        offered_rate=offered,
+        requests=len(timed),
+        failed=dict(failed),
+        duration_s=duration_s,
+        throughput_rps=len(ok) / duration_s if duration_s > 0 else math.nan,
+        output_tokens_per_s=sum(t.completion_tokens for t in ok) / duration_s if duration_s > 0 else math.nan,
+        ttft_s=pcts([t.ttft for t in ok if t.ttft is not None]),
+        tpot_s=pcts([t.tpot for t in ok if t.tpot is not None]),
+        itl_s=pcts([x for t in ok for x in t.itl()]),
+        e2e_s=pcts([t.e2e for t in ok if t.e2e is not None]),
+        goodput_rps=len(good) / duration_s if duration_s > 0 else math.nan,
+        goodput_share=len(good) / len(timed) if timed else math.nan,
+        cached_share=sum(t.cached_tokens for t in ok) / prompt if prompt else 0.0,
+        paths={p: n / len(ok) for p, n in paths.most_common()} if ok else {},
+    )
+
+
+def table(results: Sequence[RunResult]) -> str:
+    """Side by side, one row per run; latencies in milliseconds."""
+    head = (
+        f"{'run':<18} {'req/s':>6} {'tok/s':>7} {'ttft p50/p95/p99 ms':>21} {'tpot p50/p99':>13} "
+        f"{'itl p50/p99':>12} {'e2e p50/p99 ms':>15} {'good/s':>6} {'good':>5} {'cached':>6} {'fail':>4}"
+    )
+    lines = [head]
+    for r in results:
+
+        def ms(d: dict[str, float], *keys: str) -> str:
+            return "/".join("-" if math.isnan(d[k]) else f"{1e3 * d[k]:.0f}" for k in keys)
+
+        lines.append(
+            f"{r.label:<18} {r.throughput_rps:>6.2f} {r.output_tokens_per_s:>7.0f} "
+            f"{ms(r.ttft_s, 'p50', 'p95', 'p99'):>21} {ms(r.tpot_s, 'p50', 'p99'):>13} "
+            f"{ms(r.itl_s, 'p50', 'p99'):>12} {ms(r.e2e_s, 'p50', 'p99'):>15} {r.goodput_rps:>6.2f} "
+            f"{r.goodput_share:>5.2f} {r.cached_share:>6.2f} {sum(r.failed.values()):>4}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,92 @@
+"""What requests a benchmark sends: prompt and output lengths drawn from distributions, and shared prefixes.
+
+Prompts are token ids (sent as `token_ids`, so the benchmark needs no tokenizer and measures the serving path,
+not tokenization), drawn from a range of ordinary tokens that even the built-in model's 2048-entry vocabulary
+has (past the special and byte tokens at the start). Requests in the same prefix group start with the
+same `prefix_len` ids, as agent sessions or shared system prompts do, so the prefix cache and the router's
+prefix routing are exercised.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+_TOKEN_RANGE = (300, 2000)
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """A length distribution: `fixed:N`, `normal:MEAN,STD`, `lognormal:MEAN,SIGMA` (MEAN in tokens)."""
+
+    kind: str
+    mean: float
+    spread: float = 0.0
+
+    @staticmethod
+    def parse(text: str) -> Lengths:
+        kind, _, args = text.partition(":")
+        try:
+            values = [float(x) for x in args.split(",")] if args else []
+        except ValueError:
+            raise ValueError(f"{text!r}: expected fixed:N, normal:MEAN,STD or lognormal:MEAN,SIGMA") from None
+        if kind == "fixed" and len(values) == 1 and values[0] >= 1:
+            return Lengths("fixed", values[0])
+        if kind in ("normal", "lognormal") and len(values) == 2 and values[0] >= 1 and values[1] >= 0:
+            return Lengths(kind, values[0], values[1])
+        raise ValueError(
+            f"{text!r}: expected fixed:N, normal:MEAN,STD or lognormal:MEAN,SIGMA (N, MEAN >= 1)"
+        )
+
+    def draw(self, rng: random.Random) -> int:
+        if self.kind == "fixed":
+            return int(self.mean)
+        if self.kind == "normal":
+            return max(1, round(rng.gauss(self.mean, self.spread)))
+        # lognormal with the given mean: mu = ln(mean) - sigma^2 / 2
+        import math
+
+        mu = math.log(self.mean) - self.spread**2 / 2
+        return max(1, round(rng.lognormvariate(mu, self.spread)))
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.mean:g}" + (f",{self.spread:g}" if self.kind != "fixed" else "")
+
+
+@dataclass(frozen=True)
+class Request:
+    token_ids: list[int]
+    max_tokens: int
+    group: int  # prefix group (-1: none)
+
+
+@dataclass(frozen=True)
+class Workload:
+    input_len: Lengths
+    output_len: Lengths
+    prefix_groups: int = 0  # 0: no shared prefixes
+    prefix_len: int = 0  # tokens every request of a group starts with
+    max_model_len: int = 2048
+
+    def requests(self, n: int, seed: int) -> list[Request]:
+        """`n` requests; prompts and outputs fit the model's context."""
+        rng = random.Random(seed)
+        prefixes = [
+            [rng.randint(*_TOKEN_RANGE) for _ in range(self.prefix_len)] for _ in range(self.prefix_groups)
+        ]
+        out = []
+        for _ in range(n):
+            group = rng.randrange(self.prefix_groups) if self.prefix_groups else -1
+            head = prefixes[group] if group >= 0 else []
+            max_tokens = min(self.output_len.draw(rng), self.max_model_len - 2)
+            room = self.max_model_len - max_tokens - len(head)
+            own = max(1, min(self.input_len.draw(rng), room))
+            ids = head + [rng.randint(*_TOKEN_RANGE) for _ in range(own)]
+            out.append(Request(token_ids=ids, max_tokens=max_tokens, group=group))
+        return out
+
+    def describe(self) -> str:
+        shared = (
+            f", {self.prefix_groups} prefix groups of {self.prefix_len} tokens" if self.prefix_groups else ""
+        )
+        return f"input {self.input_len}, output {self.output_len}{shared}"
