@@ -24,6 +24,11 @@ class ReplicaHintRouter(RequestRouter):
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
         kwargs = pending_request.kwargs if pending_request is not None else {}
+        if pending_request is not None:
+            # Every call considers every replica (no locality rounds), so when none of them takes the request
+            # Serve must sleep before asking again. Its built-in routers set this; without it Serve's routing
+            # loop retries at once, forever, and its thread holds the GIL (the whole router process starves).
+            pending_request.routing_context.should_backoff = True
         avoid = set(kwargs.get(AVOID_KWARG) or ())
         usable = [r for r in candidate_replicas if r.replica_id.unique_id not in avoid]
         hint = kwargs.get(HINT_KWARG)
@@ -34,5 +39,5 @@ class ReplicaHintRouter(RequestRouter):
                 # than queue (the request loses its cache locality, never its turn).
                 return [target, [r for r in usable if r.replica_id.unique_id != hint]]
         # Empty when every candidate failed (e.g. the replacement is not in Serve's list yet): Serve backs off
-        # and asks again as its list changes, instead of sending the request to a dead engine.
+        # (should_backoff above) and asks again, instead of sending the request to a dead engine.
         return [usable]

@@ -13,3 +13,18 @@ def test_an_engine_hosts_ports_are_distinct_and_free() -> None:
         for port in ports:
             with socket.socket() as s:
                 s.bind(("127.0.0.1", port))
+
+
+def test_free_ports_are_distinct_bindable_and_outside_the_ephemeral_range() -> None:
+    # An ephemeral port can be taken by any outgoing connection before vLLM binds it; NIXL's handshake
+    # listener then dies and the engine hangs in start-up. Ports below the range go only to who asks.
+    import socket
+
+    from engine.host import _PORT_LOW, _ephemeral_low, free_ports
+
+    ports = free_ports(6)
+    assert len(set(ports)) == 6
+    assert all(_PORT_LOW <= p < _ephemeral_low() for p in ports)
+    for p in ports:
+        with socket.socket() as s:
+            s.bind(("0.0.0.0", p))

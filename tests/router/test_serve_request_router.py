@@ -6,6 +6,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
+from ray.serve._private.request_router.common import RequestRoutingContext
+
 from router.serve_request_router import ReplicaHintRouter
 
 
@@ -18,9 +20,14 @@ def ids(ranks: list[list[Any]]) -> list[list[str]]:
 
 
 async def choose(candidates: list[str], **kwargs: Any) -> list[list[str]]:
+    return ids((await choose_pending(candidates, **kwargs))[0])
+
+
+async def choose_pending(candidates: list[str], **kwargs: Any) -> tuple[list[list[Any]], Any]:
     router = ReplicaHintRouter.__new__(ReplicaHintRouter)  # choose_replicas reads no router state
-    pending = SimpleNamespace(kwargs=kwargs)
-    return ids(await router.choose_replicas([replica(r) for r in candidates], pending))  # type: ignore[arg-type]
+    pending = SimpleNamespace(kwargs=kwargs, routing_context=RequestRoutingContext())
+    ranks = await router.choose_replicas([replica(r) for r in candidates], pending)  # type: ignore[arg-type]
+    return ranks, pending
 
 
 async def test_the_hinted_replica_first_then_the_others() -> None:
@@ -35,4 +42,9 @@ async def test_a_failed_replica_is_never_chosen() -> None:
 
 
 async def test_with_only_failed_replicas_listed_serve_waits_for_its_list_to_change() -> None:
-    assert await choose(["a"], replica_hint="new", replica_avoid=("a",)) == [[]]
+    ranks, pending = await choose_pending(["a"], replica_hint="new", replica_avoid=("a",))
+    assert ids(ranks) == [[]]
+    # Serve sleeps between attempts only when told to (its built-in routers say so once they have tried
+    # every replica; this one always does). Without it, Serve's routing loop retried at once, forever: its
+    # thread held the GIL and the router process stalled every stream (seen in tests/e2e/test_faults.py).
+    assert pending.routing_context.should_backoff is True
