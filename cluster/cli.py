@@ -447,7 +447,11 @@ def _reach(dashboard: str, call: Callable[[], Any]) -> Any:
         ) from exc
     except HttpConnectionError as exc:
         raise _UserError(f"cannot reach the Ray dashboard at {dashboard}: {type(exc).__name__}") from exc
-    except RuntimeError as exc:  # the SDK's answer to a non-200 reply (e.g. 401: the Ray token)
+    except RuntimeError as exc:
+        # The SDK answers a non-200 reply with a plain RuntimeError; pdserve's own errors derive from it
+        # (ApplyError, BootstrapError) and keep their message.
+        if type(exc) is not RuntimeError:
+            raise
         raise _UserError(f"the Ray dashboard at {dashboard} refused the request: {str(exc)[:300]}") from exc
 
 

@@ -128,3 +128,22 @@ def test_export_names_the_image_every_pod_runs() -> None:
     assert out.returncode == 0, out.stderr
     images = {line.split("image:")[1].strip() for line in out.stdout.splitlines() if "image:" in line}
     assert images == {"registry.example/pdserve:1.2"}
+
+
+def test_a_dashboard_call_keeps_pdserves_own_errors_and_names_the_dashboards_refusals() -> None:
+    from cluster import cli
+    from cluster.apply import ApplyError
+
+    def refused() -> None:
+        raise RuntimeError("Request failed with status code 500: boom")
+
+    def restart_needed() -> None:
+        raise ApplyError("these changes need a restart of pdserve: " + "x" * 400)
+
+    with pytest.raises(
+        cli._UserError, match="the Ray dashboard at http://h:8265 refused the request: Request"
+    ):
+        cli._reach("http://h:8265", refused)
+    with pytest.raises(ApplyError) as kept:  # not reworded as the dashboard's refusal, nor cut short
+        cli._reach("http://h:8265", restart_needed)
+    assert str(kept.value).endswith("x" * 400)
