@@ -24,10 +24,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from bench.live.arrivals import Arrivals
-from bench.live.report import RunResult, Slo, summarize, table
+from bench.live.report import DEFAULT_SLO, RunResult, summarize, table
 from bench.live.runner import closed_loop, open_loop, send
 from bench.live.workload import Lengths, Workload
+from bench.slo import Slo
 from router.client import AsyncPdserveClient, PdserveError
 
 MODES = ("min-latency", "max-throughput", "rate", "sweep", "concurrency")
@@ -55,7 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=_lengths, default=Lengths("fixed", 32))
     p.add_argument("--prefix-groups", type=_count0, default=0, help="groups sharing a prompt prefix")
     p.add_argument("--prefix-len", type=_count0, default=0, help="tokens of each group's shared prefix")
-    p.add_argument("--slo", type=_slo, default=Slo(), help="goodput's SLO: ttft=SECONDS,tpot=SECONDS")
+    p.add_argument(
+        "--slo",
+        type=_slo,
+        default={},
+        help="goodput's SLO: ttft=SECONDS,tpot=SECONDS (default ttft=2,tpot=0.1)",
+    )
     p.add_argument("--timeout", type=_positive, default=600.0, help="deadline of each request (s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, help="write the full report here")
@@ -85,11 +93,12 @@ _count0 = _typed(lambda t: _number(t, low=0, integer=True))
 _rates = _typed(lambda t: [_number(x, low=1e-9, integer=False) for x in t.split(",")])
 _arrivals = _typed(Arrivals.parse)
 _lengths = _typed(Lengths.parse)
-_slo = _typed(Slo.parse)
+_slo = _typed(Slo.given)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.slo = msgspec.structs.replace(DEFAULT_SLO, **args.slo)
     try:
         return asyncio.run(_bench(args))
     except PdserveError as exc:

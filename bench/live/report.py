@@ -8,35 +8,10 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from bench.live.runner import Timed
+from bench.slo import Slo, percentile
 
-
-@dataclass(frozen=True)
-class Slo:
-    ttft_s: float = 2.0
-    tpot_s: float = 0.1
-
-    @staticmethod
-    def parse(text: str) -> Slo:
-        """`ttft=SECONDS,tpot=SECONDS` (either may be left out)."""
-        given: dict[str, float] = {}
-        for part in text.split(","):
-            key, _, value = part.partition("=")
-            try:
-                seconds = float(value)
-            except ValueError:
-                seconds = -1.0
-            if key.strip() not in ("ttft", "tpot") or not seconds > 0:
-                raise ValueError(f"{part!r}: expected ttft=SECONDS or tpot=SECONDS (> 0)")
-            given[key.strip()] = seconds
-        return Slo(ttft_s=given.get("ttft", Slo.ttft_s), tpot_s=given.get("tpot", Slo.tpot_s))
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile (q in 0..100); NaN for no values."""
-    if not values:
-        return math.nan
-    s = sorted(values)
-    return s[max(0, min(len(s) - 1, math.ceil(q / 100 * len(s)) - 1))]
+# Goodput's SLO when `--slo` does not say.
+DEFAULT_SLO = Slo(ttft_s=2.0, tpot_s=0.1)
 
 
 @dataclass(frozen=True)

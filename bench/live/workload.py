@@ -9,6 +9,7 @@ prefix routing are exercised.
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 
@@ -44,8 +45,6 @@ class Lengths:
         if self.kind == "normal":
             return max(1, round(rng.gauss(self.mean, self.spread)))
         # lognormal with the given mean: mu = ln(mean) - sigma^2 / 2
-        import math
-
         mu = math.log(self.mean) - self.spread**2 / 2
         return max(1, round(rng.lognormvariate(mu, self.spread)))
 

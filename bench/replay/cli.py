@@ -20,7 +20,7 @@ from pathlib import Path
 import msgspec
 
 from bench.replay.bounds import belady_hit_ratio, pooled_lru_hit_ratio
-from bench.replay.metrics import PolicyResult, Slo, format_table
+from bench.replay.metrics import DEFAULT_SLO, PolicyResult, format_table
 from bench.replay.policies import describe_pdserve, select
 from bench.replay.runner import run_policy, set_load
 from bench.replay.sim import SimConfig
@@ -31,6 +31,7 @@ from bench.replay.traces import (
     load_trace,
     trace_files,
 )
+from bench.slo import Slo
 from cluster.topology import Topology, TopologyError
 from cluster.topology_file import load_topology
 
@@ -130,19 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _slo(text: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for part in text.split(","):
-        key, _, value = part.partition("=")
-        if key.strip() not in ("ttft", "tpot"):
-            raise argparse.ArgumentTypeError(f"{part!r}: expected ttft=SECONDS or tpot=SECONDS")
-        try:
-            seconds = float(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{part!r}: {value!r} is not a number of seconds") from None
-        if not seconds > 0:
-            raise argparse.ArgumentTypeError(f"{part!r}: must be > 0")
-        out[key.strip()] = seconds
-    return out
+    try:
+        return Slo.given(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -182,8 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     pooled = None
     if args.bounds:
         pooled = _print_bounds(trace, capacity, args.replicas, args.decode_replicas or args.replicas, bound)
-    given = args.slo or {}
-    slo = Slo(ttft_s=given.get("ttft", Slo().ttft_s), tpot_s=given.get("tpot", router.tpot_slo_ms / 1e3))
+    default = msgspec.structs.replace(DEFAULT_SLO, tpot_s=router.tpot_slo_ms / 1e3)
+    slo = msgspec.structs.replace(default, **(args.slo or {}))
     cfg = SimConfig(
         prefill_replicas=args.replicas,
         decode_replicas=args.decode_replicas or args.replicas,

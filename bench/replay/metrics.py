@@ -8,14 +8,10 @@ from collections.abc import Sequence
 import msgspec
 
 from bench.replay.sim import RequestRecord, Simulator
+from bench.slo import Slo, percentile
 
-
-class Slo(msgspec.Struct, frozen=True, kw_only=True):
-    """What goodput counts: requests whose TTFT and whose TPOT (mean time per output token after the
-    first) are both within these."""
-
-    ttft_s: float = 5.0
-    tpot_s: float = 0.05
+# Goodput's SLO when `--slo` does not say (the replay's CLI takes TPOT from the router's own SLO).
+DEFAULT_SLO = Slo(ttft_s=5.0, tpot_s=0.05)
 
 
 class PolicyResult(msgspec.Struct, kw_only=True):
@@ -71,15 +67,6 @@ class PolicyResult(msgspec.Struct, kw_only=True):
     wall_s: float
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile (q in 0..100)."""
-    if not values:
-        return math.nan
-    s = sorted(values)
-    k = max(0, min(len(s) - 1, math.ceil(q / 100.0 * len(s)) - 1))
-    return s[k]
-
-
 def summarize(
     name: str,
     sim: Simulator,
@@ -111,8 +98,8 @@ def summarize(
     wait = [r.queue_wait for r in measured]
     tpot = [t for t in (r.tpot for r in measured) if t is not None]
     pred_err = [abs(r.predicted_cached_tokens - r.cached_tokens) for r in records]
-    slo = slo or Slo()
-    good = sum(r.ttft <= slo.ttft_s and (r.tpot is None or r.tpot <= slo.tpot_s) for r in measured)
+    slo = slo or DEFAULT_SLO
+    good = sum(slo.met(r.ttft, r.tpot) for r in measured)
     return PolicyResult(
         policy=name,
         requests=len(records),

@@ -9,10 +9,11 @@ import msgspec
 
 from bench.replay.index_feed import KvIndexFeed
 from bench.replay.load import estimate_concurrency, estimate_time_scale, refine
-from bench.replay.metrics import PolicyResult, Slo, summarize
+from bench.replay.metrics import PolicyResult, summarize
 from bench.replay.policies import PolicyFactory
 from bench.replay.sim import SimConfig, Simulator
 from bench.replay.traces import Trace, infinite_cache_hit_ratio
+from bench.slo import Slo
 
 
 def run_policy(

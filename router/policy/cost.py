@@ -105,10 +105,13 @@ def decode_term(w: CostWeights, d: ReplicaView, num_prompt_tokens: int, max_toke
     return w.decode * out * step + w.kv_full_s * d.kv_usage
 
 
-def breaks_slo(w: CostWeights, d: ReplicaView, new_tokens: int, cached: int) -> bool:
+def breaks_slo(w: CostWeights, d: ReplicaView, new_tokens: int, cached: int, prefill_s: float) -> bool:
     """Whether computing `new_tokens` after `cached` on decode replica `d` makes the steps of its running
-    sequences (or of the next one it admits) slower than the inter-token SLO."""
-    _, step = w.timing.mixed_prefill(new_tokens, cached, d.active_seqs, d.active_context_tokens)
+    sequences (or of the next one it admits) slower than the inter-token SLO. `prefill_s`: that prefill's
+    own seconds."""
+    _, step = w.timing.mixed_prefill(
+        new_tokens, cached, d.active_seqs, d.active_context_tokens, prefill_s=prefill_s
+    )
     return step > w.tpot_slo_s
 
 

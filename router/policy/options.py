@@ -252,7 +252,7 @@ def candidate_options(
     # Whether each decode replica holds all but a short suffix whose prefill there keeps its running
     # sequences within the inter-token SLO (then that local prefill is its only option).
     shorts = [
-        auto and n - c <= short_max and not breaks_slo(w, d, n - c, c)
+        auto and n - c <= short_max and not breaks_slo(w, d, n - c, c, scorer.own_s(c))
         for d, c in zip(decode, held, strict=True)
     ]
 
@@ -333,7 +333,7 @@ def every_option(
             out.append(scorer.local(d, c, "no_prefill_replica", decode_s))
             continue
         short = auto and prompt.tokens - c <= cfg.local_prefill_max_tokens
-        if short and not breaks_slo(w, d, prompt.tokens - c, c):
+        if short and not breaks_slo(w, d, prompt.tokens - c, c, scorer.own_s(c)):
             out.append(scorer.local(d, c, "local_prefill", decode_s))
             continue
         if short:

@@ -19,9 +19,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "router"))
 from inprocess_server import endpoint
 
 from bench.live.arrivals import Arrivals
-from bench.live.report import Slo, percentile, summarize
+from bench.live.report import summarize
 from bench.live.runner import Timed
 from bench.live.workload import Lengths, Workload
+from bench.slo import Slo, percentile
 
 PDSERVE = str(Path(sys.executable).with_name("pdserve"))
 
