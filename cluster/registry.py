@@ -55,7 +55,12 @@ class Registry:
 
     def claim_slot(self, role: str, replica_id: str, slots: int) -> int:
         """One of `slots` per-replica settings for a starting replica: the one fewest live replicas of its
-        role hold (the lowest on a tie). A slot is free again once its replica's entry is gone."""
+        role hold; on a tie, the one whose holders were heard from least recently (then the lowest).
+
+        A slot is free again once its replica's entry is gone, or once the replica failed. A replacement
+        starts while its dead predecessor's entry waits to expire, and must get that replica's cores, not a
+        live one's: an engine starting on a live engine's cores stalls its steps. Unreported deaths are what
+        the tie-break is for: a dead replica stops heartbeating."""
         now = time.monotonic()
         self._slots = {
             rid: claim
@@ -63,12 +68,19 @@ class Registry:
             if rid in self._entries or now - claim[2] < CLAIM_TTL_S  # still starting, or running
         }
         used = [0] * slots
-        for r, slot, _ in self._slots.values():
-            if r == role and slot < slots:
+        heard = [-float("inf")] * slots  # the latest heartbeat of any holder (a starting one counts as now)
+        for rid, (r, slot, _) in self._slots.items():
+            if r == role and slot < slots and not self._failed(rid):
                 used[slot] += 1
-        chosen = min(range(slots), key=lambda i: (used[i], i))
+                entry = self._entries.get(rid)
+                heard[slot] = max(heard[slot], now if entry is None else entry[1])
+        chosen = min(range(slots), key=lambda i: (used[i], heard[i], i))
         self._slots[replica_id] = (role, chosen, now)
         return chosen
+
+    def _failed(self, replica_id: str) -> bool:
+        entry = self._entries.get(replica_id)
+        return replica_id in self._reported or (entry is not None and bool(entry[0].failed))
 
     def report_failed(self, replica_id: str, reason: str) -> None:
         """A router found this replica lost: every router learns it at its next poll (replica ids are never

@@ -70,6 +70,35 @@ def test_slots_go_to_the_least_used_entry_and_free_up_when_a_replica_goes(
     assert reg.claim_slot("decode", "f", 2) == 1  # d and e never published: only c's slot is held
 
 
+def test_a_failed_replicas_slot_goes_to_its_replacement_before_the_entry_expires() -> None:
+    """A killed replica's entry lives until it expires, while Serve already starts its replacement: the
+    replacement must get the dead replica's cores, not share the survivor's."""
+    reg = Registry()
+    assert [reg.claim_slot("decode", rid, 2) for rid in ("a", "b")] == [0, 1]
+    for rid in ("a", "b"):
+        reg.publish(info(rid))
+    reg.report_failed("b", "its replica process died")  # a router saw its actor die
+    assert reg.claim_slot("decode", "c", 2) == 1
+    reg.publish(info("c"))
+    reg.publish(info("a", failed="its vLLM engine core died"))  # the replica's own report
+    assert reg.claim_slot("decode", "d", 2) == 0
+
+
+def test_on_a_tie_the_slot_of_the_replica_heard_from_least_recently_goes_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A replica that died unseen (no stream on it) stops heartbeating before its entry expires."""
+    clock = [1000.0]
+    monkeypatch.setattr(registry_module.time, "monotonic", lambda: clock[0])
+    reg = Registry()
+    assert [reg.claim_slot("decode", rid, 2) for rid in ("a", "b")] == [0, 1]
+    reg.publish(info("b"))
+    clock[0] += 1
+    reg.publish(info("a"))
+    clock[0] += 3  # b has missed a heartbeat, a has not: b's cores go to the newcomer
+    assert reg.claim_slot("decode", "c", 2) == 1
+
+
 def test_status_shows_a_failed_replica_with_its_reason() -> None:
     from cluster.status import Published, build_status, render_table
 
