@@ -132,7 +132,11 @@ async def _serve(
     grpc_request.request_id = http.headers.get("x-request-id", "")
     call = GenerateCall(grpc_request, grpc_request.SerializeToString(), uuid.uuid4().hex)
     messages = service.run(call, lambda: None)
-    out = output(model_name=req.model or "", include_usage=_include_usage(req))
+    out = output(
+        model_name=req.model or "",
+        include_usage=_include_usage(req),
+        return_token_ids=bool(getattr(req, "return_token_ids", False)),
+    )
     try:
         first = await anext(messages)  # validation and routing errors come before the first message
     except RequestFailed as exc:
@@ -324,11 +328,14 @@ class _Output:
     object_whole = ""
     object_chunk = ""
 
-    def __init__(self, *, model_name: str, include_usage: bool) -> None:
+    def __init__(self, *, model_name: str, include_usage: bool, return_token_ids: bool = False) -> None:
         self.id = f"{self.prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model_name
         self.include_usage = include_usage
+        # vLLM's extension: each choice carries the ids of its tokens (benchmarks count tokens with it).
+        self.return_token_ids = return_token_ids
+        self.token_ids: list[int] = []
         self.text: list[str] = []
         self.reasoning: list[str] = []
         self.calls: dict[int, dict[str, Any]] = {}
@@ -338,6 +345,7 @@ class _Output:
 
     def add(self, m: pb.GenerateResponse) -> None:
         self.text.append(m.text)
+        self.token_ids.extend(m.token_ids)
         self.reasoning.append(m.reasoning_text)
         self.logprobs.extend(m.logprobs)
         for d in m.tool_calls:
@@ -390,13 +398,15 @@ class _Output:
         fields, has_content = self.piece(m)
         self.add(m)
         out = []
-        if has_content or self.final is not None:
+        if has_content or self.final is not None or (self.return_token_ids and m.token_ids):
             choice = {
                 "index": 0,
                 **fields,
                 "logprobs": self.logprobs_json(m.logprobs) if m.logprobs else None,
                 "finish_reason": self.finish_reason(),
             }
+            if self.return_token_ids:
+                choice["token_ids"] = list(m.token_ids)
             chunk = self.envelope(self.object_chunk, [choice])
             if self.final is not None:
                 chunk["pdserve"] = self.served_by()
@@ -413,6 +423,8 @@ class _Output:
             "logprobs": self.logprobs_json(self.logprobs) if self.logprobs else None,
             "finish_reason": self.finish_reason(),
         }
+        if self.return_token_ids:
+            choice["token_ids"] = self.token_ids
         return {
             **self.envelope(self.object_whole, [choice]),
             "usage": self.usage(),

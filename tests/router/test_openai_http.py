@@ -119,6 +119,28 @@ def test_completions_stream_and_not(door: Door) -> None:
     assert text == "It is sunny."
 
 
+def test_completions_return_token_ids_when_asked_as_vllm_does(door: Door) -> None:
+    """vLLM's `return_token_ids`: each choice carries its tokens' ids (benchmarks count tokens with them)."""
+    ask = {"return_token_ids": True}
+    whole = door.client.completions.create(
+        model="tiny-llama", prompt="The weather", max_tokens=8, extra_body=ask
+    )
+    ids = whole.choices[0].model_extra["token_ids"]
+    assert ids and whole.usage is not None and len(ids) == whole.usage.completion_tokens
+    chunks = door.client.completions.create(
+        model="tiny-llama",
+        prompt="The weather",
+        max_tokens=8,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=ask,
+    )
+    streamed = [t for c in chunks if c.choices for t in c.choices[0].model_extra["token_ids"]]
+    assert streamed == ids
+    plain = door.client.completions.create(model="tiny-llama", prompt="The weather", max_tokens=8)
+    assert "token_ids" not in (plain.choices[0].model_extra or {})
+
+
 def test_models_and_health(door: Door) -> None:
     assert [m.id for m in door.client.models.list()] == ["tiny-llama"]
     with urllib.request.urlopen(door.base_url + "/health", timeout=10) as resp:  # no token needed
