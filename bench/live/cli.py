@@ -5,35 +5,48 @@
     pdserve bench --mode sweep --rates 1,2,4,8             open loop at each rate (Poisson by default)
     pdserve bench --mode rate --rate 4 --arrival gamma:0.5 one rate, bursty arrivals
     pdserve bench --mode concurrency --concurrency 16      closed loop: 16 clients back to back
+    pdserve bench --mode sessions --sessions 4             agent sessions from a trace folder (Claude Code),
+                                                           turn by turn with their think/tool gaps
+    pdserve bench --side-by-side --mode sweep              pdserve P/D, pdserve aggregated and a plain
+                                                           `vllm serve`, started here in turn, with ratios
 
 Workload: `--input-len` / `--output-len` (fixed:N, normal:MEAN,STD, lognormal:MEAN,SIGMA), shared prefixes
 (`--prefix-groups G --prefix-len L`). Warm-up requests (`--warmup`) are sent first and not counted. Reports
 TTFT, TPOT, inter-token latency and end-to-end latency at P50/P95/P99, throughput, goodput under `--slo`,
 the share of prompt tokens served from caches and of serving paths; `--json FILE` keeps everything, with the
-endpoint's model and replicas, the versions and the machine.
+endpoint's model and replicas, the versions and the machine; `--plots DIR` draws latency and goodput against
+the rate, and latency CDFs. `--target` is a pdserve gRPC endpoint (host:port) or any OpenAI-compatible server
+(http://host:port: pdserve's HTTP door, `vllm serve`).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import platform
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
 from bench.live.arrivals import Arrivals
-from bench.live.report import DEFAULT_SLO, RunResult, summarize, table
-from bench.live.runner import closed_loop, open_loop, send
-from bench.live.workload import Lengths, Workload
+from bench.live.plots import PlotsUnavailable, pyplot, write_plots
+from bench.live.progress import Progress
+from bench.live.report import DEFAULT_SLO, RunResult, ratios, summarize, table
+from bench.live.runner import Send, Timed, closed_loop, open_loop, session_loop
+from bench.live.sessions import plan_sessions
+from bench.live.systems import REPO, SYSTEMS, started
+from bench.live.targets import Served, TargetError, open_target
+from bench.live.workload import Lengths, Request, Workload
+from bench.replay.traces import DEFAULT_TRACES_DIR
 from bench.slo import Slo
-from router.client import AsyncPdserveClient, PdserveError
 
-MODES = ("min-latency", "max-throughput", "rate", "sweep", "concurrency")
+MODES = ("min-latency", "max-throughput", "rate", "sweep", "concurrency", "sessions")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,6 +66,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--arrival", type=_arrivals, default=Arrivals("poisson"), help="poisson, constant, gamma:B"
     )
     p.add_argument("--num-requests", type=_count, default=32, help="requests per run")
+    p.add_argument("--sessions", type=_count, default=4, help="mode sessions: sessions (a seeded sample)")
+    p.add_argument("--max-turns", type=_count, default=8, help="mode sessions: turns of each session")
+    p.add_argument(
+        "--gap-scale", type=_positive0, default=1.0, help="mode sessions: times the recorded think/tool gaps"
+    )
+    p.add_argument(
+        "--traces-dir",
+        type=Path,
+        default=DEFAULT_TRACES_DIR,
+        help="mode sessions: a folder holding claude-code/sessions/*.json[.gz|.xz] (default: bundled)",
+    )
     p.add_argument("--warmup", type=_count0, default=2, help="requests sent first and not counted")
     p.add_argument("--input-len", type=_lengths, default=Lengths("fixed", 256))
     p.add_argument("--output-len", type=_lengths, default=Lengths("fixed", 32))
@@ -67,6 +91,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=_positive, default=600.0, help="deadline of each request (s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, help="write the full report here")
+    p.add_argument("--plots", type=Path, default=None, help="write PNG plots into this folder")
+    p.add_argument(
+        "--side-by-side",
+        type=_systems,
+        nargs="?",
+        const=list(SYSTEMS),
+        default=None,
+        metavar="SYSTEMS",
+        help=f"start each system here in turn, the same workload on each (default {','.join(SYSTEMS)})",
+    )
+    p.add_argument(
+        "--topology",
+        type=Path,
+        default=REPO / "deploy" / "local.yaml",
+        help="side by side: the topology the systems are built from",
+    )
     return p
 
 
@@ -90,107 +130,209 @@ def _number(text: str, *, low: float, integer: bool) -> Any:
 _positive = _typed(lambda t: _number(t, low=1e-9, integer=False))
 _count = _typed(lambda t: _number(t, low=1, integer=True))
 _count0 = _typed(lambda t: _number(t, low=0, integer=True))
+_positive0 = _typed(lambda t: _number(t, low=0, integer=False))
 _rates = _typed(lambda t: [_number(x, low=1e-9, integer=False) for x in t.split(",")])
 _arrivals = _typed(Arrivals.parse)
 _lengths = _typed(Lengths.parse)
 _slo = _typed(Slo.given)
 
 
+def _parse_systems(text: str) -> list[str]:
+    chosen = text.split(",")
+    if unknown := [s for s in chosen if s not in SYSTEMS]:
+        raise ValueError(f"unknown system {', '.join(unknown)}: choose from {', '.join(SYSTEMS)}")
+    return chosen
+
+
+_systems = _typed(_parse_systems)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.slo = msgspec.structs.replace(DEFAULT_SLO, **args.slo)
+    args.token = os.environ.get(args.token_env) if args.token_env else None
+    if args.token_env and not args.token:
+        return _fail(f"--token-env {args.token_env} is not set")
     try:
-        return asyncio.run(_bench(args))
-    except PdserveError as exc:
-        print(f"pdserve bench: {args.target}: {exc.code.name}: {exc.message}", file=sys.stderr)
-        return 2
+        if args.plots is not None:
+            pyplot()  # before any run: a missing plotting library is not found out at the end
+        if args.side_by_side:
+            return _side_by_side(args)
+        served, workload, results = asyncio.run(measure(args, args.target))
+    except (TargetError, PlotsUnavailable) as exc:
+        return _fail(str(exc))
+    print(table(results))
+    report = _report(args, {args.target: (served, results)}, workload)
+    _write(args, report, {"": results})
+    return 0 if all(not r.failed for r in results) else 1
 
 
-async def _bench(args: argparse.Namespace) -> int:
-    token = os.environ.get(args.token_env) if args.token_env else None
-    if args.token_env and not token:
-        print(f"pdserve bench: --token-env {args.token_env} is not set", file=sys.stderr)
-        return 2
-    async with AsyncPdserveClient(args.target, token=token, tls=args.tls) as client:
-        (model, *_) = await client.list_models(timeout=30)
+def _fail(message: str) -> int:
+    print(f"pdserve bench: {message}", file=sys.stderr)
+    return 2
+
+
+def _side_by_side(args: argparse.Namespace) -> int:
+    """Each system started here in turn (one at a time: they would share this machine's cores), the same
+    workload on each, then one table and the ratios to the last system (the plain vLLM baseline)."""
+    measured: dict[str, tuple[Served, list[RunResult]]] = {}
+    workload = None
+    for system in args.side_by_side:
+        print(f"starting {system} ...", flush=True)
+        try:
+            with started(system, args.topology) as address:
+                served, workload, results = asyncio.run(measure(args, address))
+        except (RuntimeError, TimeoutError) as exc:
+            return _fail(f"{system} did not start: {exc}")
+        measured[system] = (served, results)
+    assert workload is not None
+    runs = {system: results for system, (_, results) in measured.items()}
+    print(table([dataclasses.replace(r, label=f"{s} {r.label}") for s, rs in runs.items() for r in rs]))
+    baseline = args.side_by_side[-1]
+    if len(runs) > 1:
+        print(f"\nratios to {baseline} (below 1: lower latency, above 1: more throughput)")
+        print(ratios(runs, baseline))
+    _write(args, _report(args, measured, workload), runs)
+    return 0 if all(not r.failed for rs in runs.values() for r in rs) else 1
+
+
+async def measure(args: argparse.Namespace, address: str) -> tuple[Served, str, list[RunResult]]:
+    """Warm-up, then the mode's runs against `address`, each with the same seeded requests on any target.
+    (what it serves, the workload in words, one result per run)."""
+    target = open_target(address, token=args.token, tls=args.tls)
+    try:
+        served = await target.served()
         workload = Workload(
             input_len=args.input_len,
             output_len=args.output_len,
             prefix_groups=args.prefix_groups,
             prefix_len=args.prefix_len,
-            max_model_len=model.max_model_len,
+            max_model_len=served.max_model_len,
         )
-        print(
-            f"pdserve bench: {args.target} ({model.id}), {workload.describe()}, mode {args.mode}", flush=True
-        )
+        runs, described = _runs(args, workload)
+        print(f"pdserve bench: {address} ({served.model}), {described}, mode {args.mode}", flush=True)
         for warm in workload.requests(args.warmup, seed=args.seed + 10_000):
-            await send(client, warm, args.timeout)
+            await target.send(warm, args.timeout)
         results = []
-        for i, (label, run) in enumerate(_runs(args)):
-            requests = workload.requests(args.num_requests, seed=args.seed + i)
-            timed, seconds, offered = await run(client, requests)
-            results.append(summarize(label, offered, timed, seconds, args.slo))
-            r = results[-1]
+        for label, count, run in runs:
+            progress = Progress(label, count)
+            timed, seconds, offered = await run(target.send, progress)
+            progress.close()
+            r = summarize(label, offered, timed, seconds, args.slo)
+            results.append(r)
             print(
                 f"  {label}: {r.throughput_rps:.2f} req/s, TTFT p99 {1e3 * r.ttft_s['p99']:.0f} ms, "
                 f"goodput {r.goodput_rps:.2f} req/s ({r.goodput_share:.0%})"
                 + (f", failed {r.failed}" if r.failed else ""),
                 flush=True,
             )
-        replicas = await client.cluster_status(timeout=30)
-    print(f"goodput: TTFT <= {args.slo.ttft_s:g} s and TPOT <= {1e3 * args.slo.tpot_s:g} ms")
-    print(table(results))
-    if args.json is not None:
-        args.json.write_text(json.dumps(_report(args, model, replicas, workload, results), indent=2))
-    return 0 if all(not r.failed for r in results) else 1
+        return served, described, results
+    finally:
+        await target.aclose()
 
 
-def _runs(args: argparse.Namespace) -> list[tuple[str, Any]]:
-    """(label, run) per measured run; a run sends its requests and returns (timed, seconds, offered rate)."""
+# async (send, progress) -> (timed requests, seconds, offered rate or None)
+Run = Callable[[Send, Progress], Awaitable[tuple[list[Timed], float, float | None]]]
 
-    def at_rate(rate: float) -> Any:
-        async def run(client: AsyncPdserveClient, requests: list[Any]) -> Any:
-            offsets = args.arrival.offsets(len(requests), rate, args.seed)
-            timed, seconds = await open_loop(client, requests, offsets, args.timeout)
+
+def _runs(args: argparse.Namespace, workload: Workload) -> tuple[list[tuple[str, int, Run]], str]:
+    """(label, requests, run) per measured run, and the workload in words."""
+
+    def requests(i: int) -> list[Request]:
+        return workload.requests(args.num_requests, seed=args.seed + i)
+
+    def at_rate(rate: float, i: int) -> Run:
+        async def run(send: Send, progress: Progress) -> Any:
+            offsets = args.arrival.offsets(args.num_requests, rate, args.seed)
+            timed, seconds = await open_loop(send, requests(i), offsets, args.timeout, progress)
             return timed, seconds, rate
 
         return run
 
-    def closed(concurrency: int | None) -> Any:
-        async def run(client: AsyncPdserveClient, requests: list[Any]) -> Any:
-            timed, seconds = await closed_loop(client, requests, concurrency or len(requests), args.timeout)
+    def closed(concurrency: int | None) -> Run:
+        async def run(send: Send, progress: Progress) -> Any:
+            n = concurrency or args.num_requests
+            timed, seconds = await closed_loop(send, requests(0), n, args.timeout, progress)
             return timed, seconds, None
 
         return run
 
+    n = args.num_requests
+    if args.mode == "sessions":
+        return _sessions_run(args, workload.max_model_len)
     if args.mode == "min-latency":
-        return [("concurrency 1", closed(1))]
+        return [("concurrency 1", n, closed(1))], workload.describe()
     if args.mode == "max-throughput":
-        return [("all at once", closed(None))]
+        return [("all at once", n, closed(None))], workload.describe()
     if args.mode == "concurrency":
-        return [(f"concurrency {args.concurrency}", closed(args.concurrency))]
+        return [(f"concurrency {args.concurrency}", n, closed(args.concurrency))], workload.describe()
     rates = [args.rate] if args.mode == "rate" else args.rates
-    return [(f"rate {rate:g}/s", at_rate(rate)) for rate in rates]
+    return [(f"rate {rate:g}/s", n, at_rate(rate, i)) for i, rate in enumerate(rates)], workload.describe()
+
+
+def _sessions_run(args: argparse.Namespace, max_model_len: int) -> tuple[list[tuple[str, int, Run]], str]:
+    """Agent sessions starting at `--rate` sessions per second (`--arrival`), turn by turn."""
+    plan = plan_sessions(
+        num_sessions=args.sessions,
+        max_turns=args.max_turns,
+        max_model_len=max_model_len,
+        max_output=int(args.output_len.mean),
+        gap_scale=args.gap_scale,
+        seed=args.seed,
+        traces_dir=args.traces_dir,
+    )
+    sessions = [[(t.request, t.gap_s) for t in turns] for turns in plan.sessions]
+
+    async def run(send: Send, progress: Progress) -> Any:
+        starts = args.arrival.offsets(len(sessions), args.rate, args.seed)
+        timed, seconds = await session_loop(send, sessions, starts, args.timeout, progress)
+        return timed, seconds, None
+
+    turns = sum(len(s) for s in sessions)
+    described = plan.describe(str(args.traces_dir)) + f", gaps x{args.gap_scale:g}"
+    return [(f"{len(sessions)} sessions", turns, run)], described
+
+
+def _write(args: argparse.Namespace, report: dict[str, Any], runs: dict[str, list[RunResult]]) -> None:
+    print(f"goodput: TTFT <= {args.slo.ttft_s:g} s and TPOT <= {1e3 * args.slo.tpot_s:g} ms")
+    if args.json is not None:
+        args.json.write_text(json.dumps(report, indent=2))
+        print(f"report: {args.json}")
+    if args.plots is not None:
+        for path in write_plots(runs, args.plots):
+            print(f"plot: {path}")
 
 
 def _report(
-    args: argparse.Namespace, model: Any, replicas: Any, workload: Workload, results: list[RunResult]
+    args: argparse.Namespace, measured: dict[str, tuple[Served, list[RunResult]]], workload: str
 ) -> dict[str, Any]:
     from cluster.cli import version_line
 
-    return {
-        "target": args.target,
+    systems = {
+        name: {
+            "model": {
+                "id": served.model,
+                "max_model_len": served.max_model_len,
+                "block_size": served.block_size,
+            },
+            "replicas": list(served.replicas),
+            "results": [r.as_dict() for r in results],
+        }
+        for name, (served, results) in measured.items()
+    }
+    report: dict[str, Any] = {
         "mode": args.mode,
         "arrival": str(args.arrival),
-        "workload": workload.describe(),
+        "workload": workload,
         "slo": {"ttft_s": args.slo.ttft_s, "tpot_s": args.slo.tpot_s},
-        "model": {"id": model.id, "max_model_len": model.max_model_len, "block_size": model.block_size},
-        "replicas": [{"replica_id": r.replica_id, "role": r.role, "node_id": r.node_id} for r in replicas],
         "versions": version_line(),
         "machine": {
             "platform": platform.platform(),
             "python": platform.python_version(),
             "cpus": os.cpu_count(),
         },
-        "results": [r.as_dict() for r in results],
     }
+    if args.side_by_side:
+        return {**report, "topology": str(args.topology), "systems": systems}
+    (only,) = systems.values()
+    return {**report, "target": args.target, **only}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 from bench.live.runner import Timed
@@ -31,6 +31,8 @@ class RunResult:
     goodput_share: float
     cached_share: float  # prompt tokens served from a cache (engine-reported)
     paths: dict[str, float]  # serving path -> share of requests
+    # Every finished request's ttft_s / tpot_s / e2e_s (for CDFs; plots can be redrawn from the JSON).
+    samples_s: dict[str, list[float]]
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -45,6 +47,11 @@ def summarize(
     def pcts(values: list[float]) -> dict[str, float]:
         return {f"p{q}": percentile(values, q) for q in (50, 95, 99)}
 
+    samples = {
+        "ttft_s": [t.ttft for t in ok if t.ttft is not None],
+        "tpot_s": [t.tpot for t in ok if t.tpot is not None],
+        "e2e_s": [t.e2e for t in ok if t.e2e is not None],
+    }
     good = [t for t in ok if (t.ttft or 0.0) <= slo.ttft_s and (t.tpot is None or t.tpot <= slo.tpot_s)]
     prompt = sum(t.prompt_tokens for t in ok)
     paths = Counter(t.path for t in ok)
@@ -56,21 +63,22 @@ def summarize(
         duration_s=duration_s,
         throughput_rps=len(ok) / duration_s if duration_s > 0 else math.nan,
         output_tokens_per_s=sum(t.completion_tokens for t in ok) / duration_s if duration_s > 0 else math.nan,
-        ttft_s=pcts([t.ttft for t in ok if t.ttft is not None]),
-        tpot_s=pcts([t.tpot for t in ok if t.tpot is not None]),
+        ttft_s=pcts(samples["ttft_s"]),
+        tpot_s=pcts(samples["tpot_s"]),
         itl_s=pcts([x for t in ok for x in t.itl()]),
-        e2e_s=pcts([t.e2e for t in ok if t.e2e is not None]),
+        e2e_s=pcts(samples["e2e_s"]),
         goodput_rps=len(good) / duration_s if duration_s > 0 else math.nan,
         goodput_share=len(good) / len(timed) if timed else math.nan,
         cached_share=sum(t.cached_tokens for t in ok) / prompt if prompt else 0.0,
         paths={p: n / len(ok) for p, n in paths.most_common()} if ok else {},
+        samples_s=samples,
     )
 
 
 def table(results: Sequence[RunResult]) -> str:
     """Side by side, one row per run; latencies in milliseconds."""
     head = (
-        f"{'run':<18} {'req/s':>6} {'tok/s':>7} {'ttft p50/p95/p99 ms':>21} {'tpot p50/p99':>13} "
+        f"{'run':<26} {'req/s':>6} {'tok/s':>7} {'ttft p50/p95/p99 ms':>21} {'tpot p50/p99':>13} "
         f"{'itl p50/p99':>12} {'e2e p50/p99 ms':>15} {'good/s':>6} {'good':>5} {'cached':>6} {'fail':>4}"
     )
     lines = [head]
@@ -80,9 +88,55 @@ def table(results: Sequence[RunResult]) -> str:
             return "/".join("-" if math.isnan(d[k]) else f"{1e3 * d[k]:.0f}" for k in keys)
 
         lines.append(
-            f"{r.label:<18} {r.throughput_rps:>6.2f} {r.output_tokens_per_s:>7.0f} "
+            f"{r.label:<26} {r.throughput_rps:>6.2f} {r.output_tokens_per_s:>7.0f} "
             f"{ms(r.ttft_s, 'p50', 'p95', 'p99'):>21} {ms(r.tpot_s, 'p50', 'p99'):>13} "
             f"{ms(r.itl_s, 'p50', 'p99'):>12} {ms(r.e2e_s, 'p50', 'p99'):>15} {r.goodput_rps:>6.2f} "
             f"{r.goodput_share:>5.2f} {r.cached_share:>6.2f} {sum(r.failed.values()):>4}"
         )
+    return "\n".join(lines)
+
+
+# (column, RunResult field, percentile or None): what the ratio table compares.
+RATIO_COLUMNS = (
+    ("ttft p50", "ttft_s", "p50"),
+    ("ttft p99", "ttft_s", "p99"),
+    ("tpot p50", "tpot_s", "p50"),
+    ("tpot p99", "tpot_s", "p99"),
+    ("e2e p50", "e2e_s", "p50"),
+    ("req/s", "throughput_rps", None),
+    ("good/s", "goodput_rps", None),
+)
+
+
+def ratio_rows(runs: Mapping[str, Sequence[RunResult]], baseline: str) -> list[dict[str, object]]:
+    """Each system's runs over the baseline's run with the same label, column by column."""
+    base = {r.label: r for r in runs[baseline]}
+
+    def value(r: RunResult, field: str, q: str | None) -> float:
+        v = getattr(r, field)
+        return float(v[q] if q is not None else v)
+
+    rows: list[dict[str, object]] = []
+    for system, results in runs.items():
+        if system == baseline:
+            continue
+        for r in results:
+            b = base.get(r.label)
+            if b is None:
+                continue
+            row: dict[str, object] = {"system": system, "run": r.label}
+            for name, field, q in RATIO_COLUMNS:
+                den = value(b, field, q)
+                row[name] = value(r, field, q) / den if den and not math.isnan(den) else math.nan
+            rows.append(row)
+    return rows
+
+
+def ratios(runs: Mapping[str, Sequence[RunResult]], baseline: str) -> str:
+    head = f"{'run':<26}" + "".join(f"{name:>10}" for name, _, _ in RATIO_COLUMNS)
+    lines = [head]
+    for row in ratio_rows(runs, baseline):
+        cells = "".join(f"{row[name]:>10.2f}" for name, _, _ in RATIO_COLUMNS)
+        label = f"{row['system']} {row['run']}"
+        lines.append(f"{label:<26}{cells}")
     return "\n".join(lines)

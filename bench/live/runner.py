@@ -1,15 +1,16 @@
-"""Sending a workload to a pdserve endpoint and timing every request at the client."""
+"""Sending a workload at a target (bench/live/targets.py) and timing every request at the client."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from bench.live.workload import Request
-from router.api import pdserve_pb2 as pb
-from router.client import AsyncPdserveClient, PdserveError
+
+# A target's `send(request, timeout_s)`: the request sent, streamed and timed.
+Send = Callable[[Request, float], Awaitable["Timed"]]
 
 
 @dataclass
@@ -26,6 +27,11 @@ class Timed:
     cached_tokens: int = 0
     path: str = ""
     status: str = "OK"
+
+    def on_tokens(self, now: float, n: int) -> None:
+        if self.first_token is None:
+            self.first_token = now
+        self.messages.append((now, n))
 
     @property
     def ok(self) -> bool:
@@ -53,31 +59,8 @@ class Timed:
         return out
 
 
-async def send(client: AsyncPdserveClient, req: Request, timeout_s: float) -> Timed:
-    t = Timed(sent=time.monotonic())
-    try:
-        async for msg in client.generate(
-            token_ids=req.token_ids, max_tokens=req.max_tokens, ignore_eos=True, timeout=timeout_s
-        ):
-            now = time.monotonic()
-            if msg.token_ids:
-                if t.first_token is None:
-                    t.first_token = now
-                t.messages.append((now, len(msg.token_ids)))
-            if msg.HasField("final"):
-                final = msg.final
-                t.end = now
-                t.completion_tokens = final.usage.completion_tokens
-                t.prompt_tokens = final.usage.prompt_tokens
-                t.cached_tokens = final.usage.cached_tokens
-                t.path = pb.ServingPath.Name(final.served_by.path).removeprefix("SERVING_PATH_").lower()
-    except PdserveError as exc:
-        t.status = exc.code.name
-    return t
-
-
 async def open_loop(
-    client: AsyncPdserveClient,
+    send: Send,
     requests: Sequence[Request],
     offsets: Sequence[float],
     timeout_s: float,
@@ -90,7 +73,7 @@ async def open_loop(
     async def one(req: Request, at: float) -> Timed:
         nonlocal done
         await asyncio.sleep(max(0.0, start + at - time.monotonic()))
-        result = await send(client, req, timeout_s)
+        result = await send(req, timeout_s)
         done += 1
         progress(done)
         return result
@@ -100,7 +83,7 @@ async def open_loop(
 
 
 async def closed_loop(
-    client: AsyncPdserveClient,
+    send: Send,
     requests: Sequence[Request],
     concurrency: int,
     timeout_s: float,
@@ -113,8 +96,32 @@ async def closed_loop(
 
     async def worker() -> None:
         while queue:
-            results.append(await send(client, queue.pop(), timeout_s))
+            results.append(await send(queue.pop(), timeout_s))
             progress(len(results))
 
     await asyncio.gather(*(worker() for _ in range(min(concurrency, len(requests)))))
+    return results, time.monotonic() - start
+
+
+async def session_loop(
+    send: Send,
+    sessions: Sequence[Sequence[tuple[Request, float]]],
+    starts: Sequence[float],
+    timeout_s: float,
+    progress: Callable[[int], None] = lambda done: None,
+) -> tuple[list[Timed], float]:
+    """Each session starts at its offset from now; its turns (request, gap) go one after the other, each
+    `gap` seconds after the previous reply finished (an agent's think/tool time)."""
+    start = time.monotonic()
+    results: list[Timed] = []
+
+    async def one(turns: Sequence[tuple[Request, float]], at: float) -> None:
+        await asyncio.sleep(max(0.0, start + at - time.monotonic()))
+        for i, (req, gap) in enumerate(turns):
+            if i:
+                await asyncio.sleep(gap)
+            results.append(await send(req, timeout_s))
+            progress(len(results))
+
+    await asyncio.gather(*(one(s, at) for s, at in zip(sessions, starts, strict=True)))
     return results, time.monotonic() - start

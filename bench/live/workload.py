@@ -13,7 +13,7 @@ import math
 import random
 from dataclasses import dataclass
 
-_TOKEN_RANGE = (300, 2000)
+TOKEN_RANGE = (300, 2000)
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,7 @@ class Request:
     token_ids: list[int]
     max_tokens: int
     group: int  # prefix group (-1: none)
+    session_id: str = ""  # an agent session's turns share it (the router keeps them where their cache is)
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,7 @@ class Workload:
         """`n` requests; prompts and outputs fit the model's context."""
         rng = random.Random(seed)
         prefixes = [
-            [rng.randint(*_TOKEN_RANGE) for _ in range(self.prefix_len)] for _ in range(self.prefix_groups)
+            [rng.randint(*TOKEN_RANGE) for _ in range(self.prefix_len)] for _ in range(self.prefix_groups)
         ]
         out = []
         for _ in range(n):
@@ -80,7 +81,7 @@ class Workload:
             max_tokens = min(self.output_len.draw(rng), self.max_model_len - 2)
             room = self.max_model_len - max_tokens - len(head)
             own = max(1, min(self.input_len.draw(rng), room))
-            ids = head + [rng.randint(*_TOKEN_RANGE) for _ in range(own)]
+            ids = head + [rng.randint(*TOKEN_RANGE) for _ in range(own)]
             out.append(Request(token_ids=ids, max_tokens=max_tokens, group=group))
         return out
 

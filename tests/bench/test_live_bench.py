@@ -1,7 +1,7 @@
-"""`pdserve bench` against a live gRPC endpoint: the workload it sends, the arrival processes, every mode,
-and the report (percentiles, goodput, JSON). Against the in-process endpoint
-(tests/router/inprocess_server.py: the real service with a stand-in decode pool streaming fixed tokens);
-tests/e2e runs it on real engines."""
+"""`pdserve bench` against a live endpoint (gRPC, or OpenAI HTTP): the workload it sends, the arrival
+processes, every mode, and the report (percentiles, goodput, ratios, JSON, plots). Against the in-process
+endpoint (tests/router/inprocess_server.py: the real service with a stand-in decode pool streaming fixed
+tokens); tests/e2e runs it on real engines, and side by side with a plain `vllm serve`."""
 
 from __future__ import annotations
 
@@ -17,9 +17,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "router"))
 from inprocess_server import endpoint
+from ports import free_port
 
 from bench.live.arrivals import Arrivals
-from bench.live.report import summarize
+from bench.live.report import ratio_rows, summarize
 from bench.live.runner import Timed
 from bench.live.workload import Lengths, Workload
 from bench.slo import Slo, percentile
@@ -109,3 +110,105 @@ def test_an_unreachable_endpoint_is_one_line_and_exit_2() -> None:
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert run.returncode == 2 and "UNAVAILABLE" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_the_http_door_is_a_target_too_and_its_tokens_are_counted_per_chunk(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    http = free_port()
+    with endpoint(output=["a", "b", "c"], http_port=http):
+        run = subprocess.run(
+            [PDSERVE, "bench", "--target", f"http://127.0.0.1:{http}", "--mode", "concurrency",
+             "--concurrency", "3", "--num-requests", "6", "--json", str(out)],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    (r,) = json.loads(out.read_text())["results"]
+    assert r["requests"] == 6 and not r["failed"] and r["paths"] == {"local_prefill": 1.0}
+    assert len(r["samples_s"]["ttft_s"]) == 6 and r["itl_s"]["p50"] > 0
+
+
+def test_a_sweep_draws_latency_and_goodput_against_the_rate_and_cdfs(tmp_path: Path) -> None:
+    from PIL import Image
+
+    with endpoint(output=["a", "b"]) as target:
+        run = subprocess.run(
+            [PDSERVE, "bench", "--target", target, "--mode", "sweep", "--rates", "10,20",
+             "--num-requests", "4", "--plots", str(tmp_path / "plots")],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    pngs = sorted(p.name for p in (tmp_path / "plots").iterdir())
+    assert pngs == ["goodput_vs_rate.png", "latency_cdf.png", "latency_vs_rate.png"]
+    for name in pngs:
+        assert Image.open(tmp_path / "plots" / name).size[0] > 500
+
+
+def test_ratios_compare_each_system_with_the_baselines_run_of_the_same_label() -> None:
+    def one(ttft: float) -> Timed:
+        return Timed(sent=0.0, first_token=ttft, end=ttft + 1.0, messages=[(ttft, 1)], completion_tokens=2)
+
+    slo = Slo(ttft_s=10.0, tpot_s=10.0)
+    runs = {  # pd: half the TTFT, the same request in half the time
+        "pd": [summarize("rate 1/s", 1.0, [one(0.2)], 2.0, slo)],
+        "vllm": [summarize("rate 1/s", 1.0, [one(0.4)], 4.0, slo)],
+    }
+    (row,) = ratio_rows(runs, "vllm")
+    assert (
+        row["system"] == "pd" and row["ttft p50"] == pytest.approx(0.5) and row["req/s"] == pytest.approx(2)
+    )
+
+
+def test_an_unknown_side_by_side_system_is_named() -> None:
+    run = subprocess.run(
+        [PDSERVE, "bench", "--side-by-side", "pd,sglang"], capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 2 and "unknown system sglang" in run.stderr
+
+
+def test_agent_sessions_from_the_trace_extend_their_prompts_turn_by_turn_and_fit_the_model() -> None:
+    from bench.live.sessions import MAX_GAP_S, plan_sessions
+
+    plan = plan_sessions(
+        num_sessions=3, max_turns=6, max_model_len=2048, max_output=32, gap_scale=0.5, seed=0
+    )
+    assert len(plan.sessions) == 3 and plan.tokens_per_block >= 1
+    for turns in plan.sessions:
+        assert len({t.request.session_id for t in turns}) == 1 and turns[0].gap_s == 0
+        for prev, turn in itertools.pairwise(turns):
+            a, b = prev.request.token_ids, turn.request.token_ids
+            shared = next(
+                (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+            )
+            assert shared >= len(a) - plan.tokens_per_block - 1  # all but the previous turn's own tail
+            assert 0 <= turn.gap_s <= MAX_GAP_S
+        for t in turns:
+            assert len(t.request.token_ids) + t.request.max_tokens <= 2048 and 1 <= t.request.max_tokens <= 32
+    again = plan_sessions(
+        num_sessions=3, max_turns=6, max_model_len=2048, max_output=32, gap_scale=0.5, seed=0
+    )
+    assert again == plan  # seeded
+
+
+def test_sessions_mode_sends_every_turn(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    with endpoint(output=["a", "b"]) as target:
+        run = subprocess.run(
+            [PDSERVE, "bench", "--target", target, "--mode", "sessions", "--sessions", "2",
+             "--max-turns", "3", "--gap-scale", "0.001", "--rate", "10", "--json", str(out)],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    report = json.loads(out.read_text())
+    (r,) = report["results"]
+    assert r["requests"] == 6 and not r["failed"] and "2 agent sessions (6 turns)" in report["workload"]
+
+
+def test_the_plain_vllm_baseline_gets_the_aggregated_decode_engines_settings() -> None:
+    from bench.live.systems import REPO, vllm_serve_config
+
+    config, env = vllm_serve_config(REPO / "deploy" / "local.yaml", 8123)
+    assert config["served-model-name"] == "tiny-llama" and Path(config["model"], "config.json").exists()
+    assert (config["block-size"], config["dtype"], config["max-model-len"]) == (32, "float32", 2048)
+    assert config["enforce-eager"] is True and config["enable-prefix-caching"] is True
+    assert "kv-transfer-config" not in config and (config["host"], config["port"]) == ("127.0.0.1", 8123)
+    assert env == {"VLLM_CPU_OMP_THREADS_BIND": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}  # the decode pool's core

@@ -1,0 +1,173 @@
+"""The systems a side-by-side benchmark starts on this machine, one at a time, on the same model:
+
+- `pd`: pdserve with its prefill and decode pools (deploy/local.yaml, every request through
+  prefill -> NIXL -> decode);
+- `aggregated`: pdserve with no prefill pool (the decode engine prefills; no KV connector);
+- `vllm`: a plain `vllm serve` (vLLM's OpenAI server) of the same model, with the engine arguments and the
+  core binding pdserve's aggregated decode engine gets: the baseline without pdserve's router and Serve.
+
+Each is a context manager that yields the address to benchmark once the system serves, and stops it after.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from cluster.cli import READY_LINE
+from engine.host import free_ports
+
+REPO = Path(__file__).resolve().parents[2]
+PDSERVE = str(Path(sys.executable).with_name("pdserve"))
+SYSTEMS = ("pd", "aggregated", "vllm")
+READY_TIMEOUT_S = 600.0
+
+
+class LocalCluster:
+    """`pdserve up -f topology` in a subprocess, ready once it prints its ready line; `down()` stops it."""
+
+    def __init__(self, topology: Path) -> None:
+        self.ready_s = 0.0
+        started = time.monotonic()
+        self.proc = subprocess.Popen(
+            [PDSERVE, "up", "-f", str(topology)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        ready = threading.Event()
+        self.log: list[str] = []
+
+        def read() -> None:
+            assert self.proc.stdout is not None
+            for line in self.proc.stdout:
+                self.log.append(line)
+                if line.startswith(READY_LINE):
+                    ready.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        while not ready.wait(1.0):
+            if self.proc.poll() is not None:
+                raise RuntimeError("pdserve up failed:\n" + "".join(self.log[-40:]))
+        self.ready_s = time.monotonic() - started
+
+    def down(self) -> None:
+        subprocess.run([PDSERVE, "down"], capture_output=True, timeout=300)
+        self.proc.wait(timeout=120)
+
+
+def topology(base: Path, *, disaggregated: bool) -> dict[str, Any]:
+    """`base` on free ports; `disaggregated`: every request through the prefill pool, else no prefill pool."""
+    topo = yaml.safe_load(base.read_text())
+    grpc, metrics, dashboard = free_ports(3)  # distinct: the topology refuses a port used twice
+    topo["server"]["grpc_port"], topo["server"]["metrics_port"] = grpc, metrics
+    topo["ray"]["dashboard_port"] = dashboard
+    if disaggregated:
+        topo["router"]["mode"] = "disaggregate"  # no local-prefill shortcut: this measures the P/D path
+    else:
+        topo["pools"]["prefill"]["replicas"] = 0
+    return topo
+
+
+@contextmanager
+def pdserve(base: Path, *, disaggregated: bool) -> Iterator[str]:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "topology.yaml"
+        topo = topology(base, disaggregated=disaggregated)
+        path.write_text(yaml.safe_dump(topo))
+        cluster = LocalCluster(path)
+        try:
+            yield f"127.0.0.1:{topo['server']['grpc_port']}"
+        finally:
+            cluster.down()
+
+
+def vllm_serve_config(base: Path, port: int) -> tuple[dict[str, Any], dict[str, str]]:
+    """vLLM server arguments (its `--config` file) and environment for the aggregated decode engine's
+    settings: the same model, dtype, context, block size, prefix caching, engine arguments and cores."""
+    from cluster.serve_app import engine_spec
+    from cluster.topology_file import parse_topology
+    from engine.model_source import resolve_model_dir
+
+    spec = engine_spec(parse_topology(topology(base, disaggregated=False), str(base)), "decode")
+    config = {
+        "model": str(resolve_model_dir(spec.model_source)),
+        "served-model-name": spec.served_name,
+        "dtype": spec.dtype,
+        "max-model-len": spec.max_model_len,
+        "block-size": spec.block_size,
+        "enable-prefix-caching": True,
+        "host": "127.0.0.1",
+        "port": port,
+        **{k.replace("_", "-"): v for k, v in spec.engine_args.items()},
+    }
+    env = {}
+    if spec.device == "cpu":
+        env = {
+            "VLLM_CPU_OMP_THREADS_BIND": spec.cpu_threads_bind[0],
+            "VLLM_CPU_KVCACHE_SPACE": str(spec.cpu_kv_cache_gib),
+        }
+    return config, env
+
+
+@contextmanager
+def vllm_serve(base: Path) -> Iterator[str]:
+    (port,) = free_ports(1)
+    config, env = vllm_serve_config(base, port)
+    url = f"http://127.0.0.1:{port}"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "vllm.yaml"
+        path.write_text(yaml.safe_dump(config))
+        log = open(Path(tmp) / "vllm.log", "w+")  # noqa: SIM115 (read back on failure)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--config", str(path)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **env},
+        )
+        try:
+            _wait_http(url, proc, log)
+            yield url
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            log.close()
+
+
+def _wait_http(url: str, proc: subprocess.Popen[bytes], log: Any) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    last: OSError | None = None
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            log.seek(0)
+            raise RuntimeError(f"vllm serve exited ({proc.returncode}):\n{log.read()[-4000:]}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError as exc:  # not listening yet
+            last = exc
+        time.sleep(1.0)
+    raise TimeoutError(f"vllm serve at {url} not serving after {READY_TIMEOUT_S:.0f} s ({last})")
+
+
+@contextmanager
+def started(system: str, base: Path) -> Iterator[str]:
+    """System `system` (one of SYSTEMS) serving; yields the address to benchmark."""
+    if system == "vllm":
+        with vllm_serve(base) as url:
+            yield url
+    else:
+        with pdserve(base, disaggregated=system == "pd") as target:
+            yield target

@@ -1,0 +1,186 @@
+"""Where a benchmark sends its requests, behind one interface, timed the same way at the client:
+
+- `host:port`: a pdserve gRPC endpoint (the agent API);
+- `http://host:port` (or https): any OpenAI-compatible server's `/v1/completions`: pdserve's HTTP door, or a
+  plain `vllm serve` of the same model (the baseline of the side-by-side run). Prompts go as token ids and
+  `return_token_ids` (vLLM's extension) tells each chunk's tokens, so inter-token latency counts tokens,
+  not chunks.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import aiohttp
+
+from bench.live.runner import Timed
+from bench.live.workload import Request
+from router.api import pdserve_pb2 as pb
+from router.client import AsyncPdserveClient, PdserveError
+
+
+@dataclass(frozen=True)
+class Served:
+    """What a target serves, and on which replicas (HTTP targets do not say: empty)."""
+
+    model: str
+    max_model_len: int
+    block_size: int = 0
+    replicas: tuple[dict[str, str], ...] = ()
+
+
+class Target(Protocol):
+    address: str
+
+    async def served(self) -> Served: ...
+
+    async def send(self, req: Request, timeout_s: float) -> Timed: ...
+
+    async def aclose(self) -> None: ...
+
+
+class TargetError(Exception):
+    """The target could not be reached or answered nonsense (the message names the address)."""
+
+
+def open_target(address: str, *, token: str | None = None, tls: bool = False) -> Target:
+    if address.startswith(("http://", "https://")):
+        return HttpTarget(address, token=token)
+    return GrpcTarget(address, token=token, tls=tls)
+
+
+class GrpcTarget:
+    def __init__(self, address: str, *, token: str | None, tls: bool) -> None:
+        self.address = address
+        self._client = AsyncPdserveClient(address, token=token, tls=tls)
+
+    async def served(self) -> Served:
+        try:
+            (model, *_) = await self._client.list_models(timeout=30)
+            replicas = await self._client.cluster_status(timeout=30)
+        except PdserveError as exc:
+            raise TargetError(f"{self.address}: {exc.code.name}: {exc.message}") from None
+        return Served(
+            model=model.id,
+            max_model_len=model.max_model_len,
+            block_size=model.block_size,
+            replicas=tuple(
+                {"replica_id": r.replica_id, "role": r.role, "node_id": r.node_id} for r in replicas
+            ),
+        )
+
+    async def send(self, req: Request, timeout_s: float) -> Timed:
+        t = Timed(sent=time.monotonic())
+        try:
+            async for msg in self._client.generate(
+                token_ids=req.token_ids,
+                max_tokens=req.max_tokens,
+                ignore_eos=True,
+                session_id=req.session_id,
+                timeout=timeout_s,
+            ):
+                now = time.monotonic()
+                if msg.token_ids:
+                    t.on_tokens(now, len(msg.token_ids))
+                if msg.HasField("final"):
+                    final = msg.final
+                    t.end = now
+                    t.completion_tokens = final.usage.completion_tokens
+                    t.prompt_tokens = final.usage.prompt_tokens
+                    t.cached_tokens = final.usage.cached_tokens
+                    t.path = pb.ServingPath.Name(final.served_by.path).removeprefix("SERVING_PATH_").lower()
+        except PdserveError as exc:
+            t.status = exc.code.name
+        return t
+
+    async def aclose(self) -> None:
+        await self._client.close()
+
+
+class HttpTarget:
+    def __init__(self, address: str, *, token: str | None) -> None:
+        self.address = address.rstrip("/")
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._session: aiohttp.ClientSession | None = None
+        self._model = ""
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            # No connection limit: an open-loop run has every in-flight request on its own connection.
+            self._session = aiohttp.ClientSession(
+                headers=self._headers, connector=aiohttp.TCPConnector(limit=0)
+            )
+        return self._session
+
+    async def served(self) -> Served:
+        try:
+            async with self._http().get(
+                f"{self.address}/v1/models", timeout=aiohttp.ClientTimeout(total=30)
+            ) as r:
+                if r.status != 200:
+                    raise TargetError(f"{self.address}/v1/models: HTTP {r.status}: {(await r.text())[:200]}")
+                card = (await r.json())["data"][0]
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise TargetError(f"{self.address}: UNAVAILABLE: {exc or type(exc).__name__}") from None
+        except (KeyError, IndexError, ValueError) as exc:
+            raise TargetError(f"{self.address}/v1/models: not an OpenAI model list ({exc})") from None
+        if not card.get("max_model_len"):
+            raise TargetError(f"{self.address}/v1/models: the model card has no max_model_len (vLLM's field)")
+        self._model = card["id"]
+        return Served(model=card["id"], max_model_len=int(card["max_model_len"]))
+
+    async def send(self, req: Request, timeout_s: float) -> Timed:
+        body = {
+            "model": self._model,
+            "prompt": req.token_ids,
+            "max_tokens": req.max_tokens,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "return_token_ids": True,
+        }
+        t = Timed(sent=time.monotonic())
+        try:
+            async with self._http().post(
+                f"{self.address}/v1/completions",
+                json=body,
+                timeout=aiohttp.ClientTimeout(total=timeout_s),
+                headers={"X-Session-Id": req.session_id} if req.session_id else None,
+            ) as r:
+                if r.status != 200:
+                    t.status = f"HTTP_{r.status}"
+                    return t
+                async for line in r.content:
+                    if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                        continue
+                    self._on_chunk(t, json.loads(line[6:]), time.monotonic())
+        except TimeoutError:
+            t.status = "DEADLINE_EXCEEDED"
+        except aiohttp.ClientError:
+            t.status = "UNAVAILABLE"
+        if t.status == "OK" and t.end is None:
+            t.status = "INCOMPLETE"  # the stream ended without its usage
+        return t
+
+    @staticmethod
+    def _on_chunk(t: Timed, chunk: dict[str, Any], now: float) -> None:
+        if "error" in chunk:
+            t.status = "STREAM_ERROR"
+            return
+        for choice in chunk.get("choices") or ():
+            if n := len(choice.get("token_ids") or ()):
+                t.on_tokens(now, n)
+        if served_by := chunk.get("pdserve"):  # pdserve's door says how it served the request
+            t.path = served_by.get("path", "")
+        if usage := chunk.get("usage"):
+            t.end = now
+            t.completion_tokens = usage["completion_tokens"]
+            t.prompt_tokens = usage["prompt_tokens"]
+            t.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
