@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import yaml
 
 from bench.live.arrivals import Arrivals
 from bench.live.plots import PlotsUnavailable, pyplot, write_plots
@@ -46,6 +47,7 @@ from bench.live.workload import Lengths, Request, Workload
 from bench.replay.traces import DEFAULT_TRACES_DIR
 from bench.slo import Slo
 
+LOCAL_TOPOLOGY = REPO / "deploy" / "local.yaml"
 MODES = ("min-latency", "max-throughput", "rate", "sweep", "concurrency", "sessions")
 
 
@@ -104,8 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--topology",
         type=Path,
-        default=REPO / "deploy" / "local.yaml",
-        help="side by side: the topology the systems are built from",
+        default=None,
+        help="the cluster's topology file, kept in the JSON; side by side: what the systems are built from "
+        "(default deploy/local.yaml)",
     )
     return p
 
@@ -159,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.side_by_side:
             return _side_by_side(args)
         served, workload, results = asyncio.run(measure(args, args.target))
-    except (TargetError, PlotsUnavailable) as exc:
+    except (TargetError, PlotsUnavailable, FileNotFoundError) as exc:  # the last: --traces-dir
         return _fail(str(exc))
     print(table(results))
     report = _report(args, {args.target: (served, results)}, workload)
@@ -180,7 +183,7 @@ def _side_by_side(args: argparse.Namespace) -> int:
     for system in args.side_by_side:
         print(f"starting {system} ...", flush=True)
         try:
-            with started(system, args.topology) as address:
+            with started(system, args.topology or LOCAL_TOPOLOGY) as address:
                 served, workload, results = asyncio.run(measure(args, address))
         except (RuntimeError, TimeoutError) as exc:
             return _fail(f"{system} did not start: {exc}")
@@ -330,9 +333,23 @@ def _report(
             "platform": platform.platform(),
             "python": platform.python_version(),
             "cpus": os.cpu_count(),
+            "cpu": _cpu_model(),
         },
     }
+    topology = args.topology or (LOCAL_TOPOLOGY if args.side_by_side else None)
+    if topology is not None:
+        report["topology"] = {"file": str(topology), "content": yaml.safe_load(topology.read_text())}
     if args.side_by_side:
-        return {**report, "topology": str(args.topology), "systems": systems}
+        return {**report, "systems": systems}
     (only,) = systems.values()
     return {**report, "target": args.target, **only}
+
+
+def _cpu_model() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    return next(
+        (line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), ""
+    )

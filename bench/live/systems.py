@@ -105,6 +105,7 @@ def vllm_serve_config(base: Path, port: int) -> tuple[dict[str, Any], dict[str, 
         "max-model-len": spec.max_model_len,
         "block-size": spec.block_size,
         "enable-prefix-caching": True,
+        "enable-prompt-tokens-details": True,  # usage then reports cached prompt tokens, as pdserve's does
         "host": "127.0.0.1",
         "port": port,
         **{k.replace("_", "-"): v for k, v in spec.engine_args.items()},

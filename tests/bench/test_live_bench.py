@@ -118,12 +118,15 @@ def test_the_http_door_is_a_target_too_and_its_tokens_are_counted_per_chunk(tmp_
     with endpoint(output=["a", "b", "c"], http_port=http):
         run = subprocess.run(
             [PDSERVE, "bench", "--target", f"http://127.0.0.1:{http}", "--mode", "concurrency",
-             "--concurrency", "3", "--num-requests", "6", "--json", str(out)],
+             "--concurrency", "3", "--num-requests", "6", "--json", str(out),
+             "--topology", str(Path(__file__).resolve().parents[2] / "deploy" / "local.yaml")],
             capture_output=True, text=True, timeout=300,
         )  # fmt: skip
     assert run.returncode == 0, run.stdout + run.stderr
-    (r,) = json.loads(out.read_text())["results"]
+    report = json.loads(out.read_text())
+    (r,) = report["results"]
     assert r["requests"] == 6 and not r["failed"] and r["paths"] == {"local_prefill": 1.0}
+    assert report["topology"]["content"]["model"]["name"] == "tiny-llama" and report["machine"]["cpu"]
     assert len(r["samples_s"]["ttft_s"]) == 6 and r["itl_s"]["p50"] > 0
 
 
@@ -210,5 +213,15 @@ def test_the_plain_vllm_baseline_gets_the_aggregated_decode_engines_settings() -
     assert config["served-model-name"] == "tiny-llama" and Path(config["model"], "config.json").exists()
     assert (config["block-size"], config["dtype"], config["max-model-len"]) == (32, "float32", 2048)
     assert config["enforce-eager"] is True and config["enable-prefix-caching"] is True
+    assert config["enable-prompt-tokens-details"] is True  # cached prompt tokens in usage, compared
     assert "kv-transfer-config" not in config and (config["host"], config["port"]) == ("127.0.0.1", 8123)
     assert env == {"VLLM_CPU_OMP_THREADS_BIND": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}  # the decode pool's core
+
+
+def test_a_traces_dir_without_sessions_is_one_line(tmp_path: Path) -> None:
+    with endpoint(output=["a"]) as target:
+        run = subprocess.run(
+            [PDSERVE, "bench", "--target", target, "--mode", "sessions", "--traces-dir", str(tmp_path)],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    assert run.returncode == 2 and "no sessions" in run.stderr and "Traceback" not in run.stderr

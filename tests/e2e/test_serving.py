@@ -418,6 +418,7 @@ def test_vllm_bench_serve_agrees_with_pdserve_bench_on_the_http_door(cluster: An
     assert mine["requests"] == 8 and not mine["failed"]
     for theirs, key in (("median_ttft_ms", "ttft_s"), ("median_tpot_ms", "tpot_s")):
         ratio = 1e3 * mine[key]["p50"] / vllm[theirs]
+        print(f"{key} p50: pdserve bench {1e3 * mine[key]['p50']:.1f} ms, vllm bench {vllm[theirs]:.1f} ms")
         assert 0.5 < ratio < 2.0, (key, 1e3 * mine[key]["p50"], vllm[theirs])
 
 

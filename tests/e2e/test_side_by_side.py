@@ -21,12 +21,14 @@ def test_plain_vllm_serve_is_started_measured_and_stopped(tmp_path: Path) -> Non
     out = tmp_path / "side.json"
     run = subprocess.run(
         [PDSERVE, "bench", "--side-by-side", "vllm", "--mode", "min-latency", "--num-requests", "3",
-         "--input-len", "fixed:128", "--output-len", "fixed:8", "--json", str(out)],
+         "--input-len", "fixed:128", "--output-len", "fixed:8", "--prefix-groups", "1", "--prefix-len", "64",
+         "--json", str(out)],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     (r,) = json.loads(out.read_text())["systems"]["vllm"]["results"]
     assert r["requests"] == 3 and not r["failed"] and r["tpot_s"]["p50"] > 0
     assert r["output_tokens_per_s"] > 0 and len(r["samples_s"]["e2e_s"]) == 3
+    assert r["cached_share"] > 0  # the shared prefix, reported by vLLM's usage
     stray = subprocess.run(["pgrep", "-f", "vllm.entrypoints.openai.api_server"], capture_output=True)
     assert stray.returncode == 1, "the vLLM server outlived the benchmark"
