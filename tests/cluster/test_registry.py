@@ -45,11 +45,15 @@ def test_a_replicas_own_failure_report_wins() -> None:
     assert reg.snapshot()[0].failed == "its vLLM engine core died"
 
 
-def test_slots_go_to_the_least_used_entry_and_free_up_when_a_replica_goes(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    clock = [1000.0]
-    monkeypatch.setattr(registry_module.time, "monotonic", lambda: clock[0])
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The registry's monotonic clock, which a test moves on (`clock[0] += seconds`)."""
+    now = [1000.0]
+    monkeypatch.setattr(registry_module.time, "monotonic", lambda: now[0])
+    return now
+
+
+def test_slots_go_to_the_least_used_entry_and_free_up_when_a_replica_goes(clock: list[float]) -> None:
     reg = Registry()
     assert [reg.claim_slot("decode", rid, 2) for rid in ("a", "b")] == [0, 1]
     assert reg.claim_slot("prefill", "p", 2) == 0  # roles count apart
@@ -84,12 +88,8 @@ def test_a_failed_replicas_slot_goes_to_its_replacement_before_the_entry_expires
     assert reg.claim_slot("decode", "d", 2) == 0
 
 
-def test_on_a_tie_the_slot_of_the_replica_heard_from_least_recently_goes_first(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_on_a_tie_the_slot_of_the_replica_heard_from_least_recently_goes_first(clock: list[float]) -> None:
     """A replica that died unseen (no stream on it) stops heartbeating before its entry expires."""
-    clock = [1000.0]
-    monkeypatch.setattr(registry_module.time, "monotonic", lambda: clock[0])
     reg = Registry()
     assert [reg.claim_slot("decode", rid, 2) for rid in ("a", "b")] == [0, 1]
     reg.publish(info("b"))
