@@ -1,8 +1,8 @@
 """pdserve as a new user meets it: a copy of the repository with nothing beside it (no `shared/`), an empty
 HOME (no `~/.ray`, no auth token, no built model, no caches) and none of the test session's settings. From
 there `pdserve up` comes up, answers `pdserve generate` and `pdserve status`, and after `pdserve down` leaves
-no Ray or vLLM process (nor leaked shared memory) behind; `pdserve replay` runs on the traces the repository
-carries.
+no Ray or vLLM process (nor leaked shared memory) behind; `pdserve bench` replays agent sessions and
+`pdserve replay` runs on the traces the repository carries.
 
 What this does not redo is the install: it runs the copy's code with this machine's virtual environment
 (PYTHONPATH puts the copy first). CI installs from a clean clone with the README's own command."""
@@ -108,6 +108,16 @@ def test_a_fresh_machine_starts_serves_and_stops_a_cluster(fresh: tuple[Path, di
         # A 7-token prompt: the router may prefill it on the decode replica rather than move its KV.
         assert final["servedBy"]["path"] in ("SERVING_PATH_DISAGGREGATED", "SERVING_PATH_LOCAL_PREFILL")
         assert final["servedBy"]["decodeReplica"]
+
+        # Agent sessions from the traces the repository carries, and plots, with nothing else installed.
+        plots = repo.parents[1] / "plots"
+        bench = cluster.cli(
+            "bench", "--target", cluster.target, "--mode", "sessions", "--sessions", "2", "--max-turns", "2",
+            "--gap-scale", "0", "--output-len", "fixed:4", "--warmup", "0", "--plots", str(plots),
+            timeout=300,
+        )  # fmt: skip
+        assert bench.returncode == 0, bench.stdout + bench.stderr
+        assert f"from {repo}/bench/data/traces" in bench.stdout and (plots / "latency_cdf.png").exists()
 
         status = cluster.cli("status", "--json", timeout=60)
         assert status.returncode == 0, status.stderr
