@@ -160,8 +160,13 @@ class RouterProcess:
         self._serving = now
 
     async def cluster_status(self) -> list[pb.Replica]:
+        """The registry's replicas (their latest stats), in the state this router sees them: READY only once
+        it routes to them (its view polls the registry every second), FAILED as soon as it saw one fail."""
         infos: list[ReplicaInfo] = await self._registry.snapshot.remote()
-        return [_replica_status(i) for i in infos]
+        known, failed = self.view.replicas, set(self.view.failed_ids())
+        return [
+            _replica_status(i, routed=i.replica_id in known, failed=i.replica_id in failed) for i in infos
+        ]
 
     async def serve_until(self, stop: asyncio.Event, on_ready: Callable[[], None] = lambda: None) -> None:
         cfg = self.server
@@ -218,16 +223,16 @@ def _changed(old: RouterConfig, new: RouterConfig) -> str:
     return ", ".join(f"{k}: {a[k]} -> {b[k]}" for k in b if a.get(k) != b[k]) or "none"
 
 
-def _replica_status(info: ReplicaInfo) -> pb.Replica:
+def _replica_status(info: ReplicaInfo, *, routed: bool = True, failed: bool = False) -> pb.Replica:
     replica = pb.Replica(
         replica_id=info.replica_id,
         role=info.role,
         state="FAILED"
-        if info.failed
+        if info.failed or failed
         else "DRAINING"
         if info.draining
         else "READY"
-        if info.ready
+        if info.ready and routed
         else "STARTING",
         node_id=info.node_id,
     )

@@ -27,7 +27,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -163,7 +163,7 @@ class Orchestrator:
         sampling: Sampling,
         route: Route,
         *,
-        reroute: Callable[[list[int], Sampling], Route],
+        reroute: Callable[[list[int], Sampling], Awaitable[Route]],
         on_replica_failed: Callable[[str, str], None],
         attempts: int,
         on_prefill_done: Callable[[], None] = lambda: None,
@@ -211,7 +211,7 @@ class Orchestrator:
                 log.warning("request %s: %s; continuing elsewhere", request_id, moves[-1])
                 if len(moves) > 1:  # failing again at once: give the cluster a moment to replace replicas
                     await asyncio.sleep(MOVE_BACKOFF_S * (len(moves) - 1))
-                route = reroute(prompt_token_ids + generated, left())
+                route = await reroute(prompt_token_ids + generated, left())
 
     async def run(
         self,

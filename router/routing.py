@@ -143,6 +143,10 @@ class RequestRouter:
         if self._pulls is not None:
             self._pulls.turn_done(session_id, decode_replica, pinned_kv, prompt, output)
 
+    async def refresh(self) -> None:
+        """Poll the registry now rather than at the view's next poll."""
+        await self._view.refresh()
+
     def replica_failed(self, replica_id: str, reason: str) -> None:
         """A call found `replica_id` dead or its engine failed: no more routing to it, on any router."""
         self._view.mark_failed(replica_id, reason)

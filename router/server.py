@@ -193,10 +193,18 @@ class PdserveService(pb_grpc.PdserveServicer):
                 )
             return chosen
 
-        def reroute(prompt: list[int], sampling: Sampling) -> Route:
-            """A failed leg's continuation: released from its first admission, routed again."""
+        async def reroute(prompt: list[int], sampling: Sampling) -> Route:
+            """A failed leg's continuation: released from its first admission, routed again. With no replica
+            left in this router's view, the view is refreshed once first: a replacement may have registered
+            since the last poll (the registry is polled every second)."""
             self._router.finish(request_id)
             self._metrics.failovers.inc()
+            try:
+                return route(prompt, sampling)
+            except RequestFailed as exc:
+                if exc.code != grpc.StatusCode.UNAVAILABLE:
+                    raise
+            await self._router.refresh()
             return route(prompt, sampling)
 
         first_route = route(prompt_ids, sampling, reuse)

@@ -70,3 +70,31 @@ def test_every_router_setting_applies_in_place(process: RouterProcess) -> None:
         process.router._admit("r0", 8, None, None)
         process.router.route("r1", None, list(range(8)), Sampling(max_tokens=1))
     assert "s" in process.sessions
+
+
+def test_status_says_ready_only_once_this_router_routes_to_the_replica() -> None:
+    from engine.messages import ReplicaInfo
+
+    info = ReplicaInfo(
+        replica_id="d1",
+        role="decode",
+        node_id="n",
+        kv_events_endpoint=None,
+        kv_events_replay_endpoint=None,
+        nixl_host="127.0.0.1",
+        nixl_port=1,
+        block_size=32,
+        ready=True,
+    )
+    state = {
+        (routed, failed): app._replica_status(info, routed=routed, failed=failed).state
+        for routed in (True, False)
+        for failed in (True, False)
+    }
+    # Registered but not yet in the router's view: STARTING; seen failing by the router: FAILED at once.
+    assert state == {
+        (True, False): "READY",
+        (False, False): "STARTING",
+        (True, True): "FAILED",
+        (False, True): "FAILED",
+    }

@@ -177,7 +177,7 @@ class Failover:
         self.asked: list[tuple[list[int], Sampling]] = []
         self.failed: list[tuple[str, str]] = []
 
-    def reroute(self, prompt: list[int], sampling: Sampling) -> Route:
+    async def reroute(self, prompt: list[int], sampling: Sampling) -> Route:
         self.asked.append((prompt, sampling))
         return self.routes.pop(0)
 
