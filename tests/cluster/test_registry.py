@@ -4,6 +4,7 @@ slots (CPU cores) go to the replica that needs them most."""
 from __future__ import annotations
 
 import pytest
+from replicas import replica_info
 
 from cluster import registry as registry_module
 from cluster.registry import Registry
@@ -11,17 +12,7 @@ from engine.messages import ReplicaInfo
 
 
 def info(rid: str, role: str = "decode", failed: str = "") -> ReplicaInfo:
-    return ReplicaInfo(
-        replica_id=rid,
-        role=role,  # type: ignore[arg-type]
-        node_id="n",
-        kv_events_endpoint=None,
-        kv_events_replay_endpoint=None,
-        nixl_host="127.0.0.1",
-        nixl_port=1,
-        block_size=32,
-        failed=failed,
-    )
+    return replica_info(rid, role, failed=failed)
 
 
 def test_a_reported_failure_is_in_every_snapshot_until_the_entry_goes() -> None:

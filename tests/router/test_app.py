@@ -73,19 +73,9 @@ def test_every_router_setting_applies_in_place(process: RouterProcess) -> None:
 
 
 def test_status_says_ready_only_once_this_router_routes_to_the_replica() -> None:
-    from engine.messages import ReplicaInfo
+    from replicas import replica_info
 
-    info = ReplicaInfo(
-        replica_id="d1",
-        role="decode",
-        node_id="n",
-        kv_events_endpoint=None,
-        kv_events_replay_endpoint=None,
-        nixl_host="127.0.0.1",
-        nixl_port=1,
-        block_size=32,
-        ready=True,
-    )
+    info = replica_info("d1", ready=True)
     state = {
         (routed, failed): app._replica_status(info, routed=routed, failed=failed).state
         for routed in (True, False)

@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
+from replicas import replica_info
+
 from engine.messages import EngineRequest, ReplicaFailed, ReplicaInfo, TokenBatch
 from engine.tiny_model import ensure_tiny_model
 from router.api import pdserve_pb2 as pb
@@ -24,17 +26,7 @@ from router.validation import ModelLimits
 
 
 def _info(rid: str) -> ReplicaInfo:
-    return ReplicaInfo(
-        replica_id=rid,
-        role="decode",
-        node_id="n",
-        kv_events_endpoint=None,
-        kv_events_replay_endpoint=None,
-        nixl_host="127.0.0.1",
-        nixl_port=1,
-        block_size=32,
-        ready=True,
-    )
+    return replica_info(rid, ready=True)
 
 
 class _Registry:
