@@ -28,8 +28,8 @@ from pathlib import Path
 import psutil
 import yaml
 
+from bench.live.systems import topology
 from cluster.bootstrap import APP_NAME, RunState
-from engine.host import free_ports
 from router.client import Completion, PdserveClient
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,17 +50,7 @@ TOPOLOGY = {
 
 
 def write_topology(out: Path) -> Path:
-    topo = yaml.safe_load((REPO / "deploy" / "local.yaml").read_text())
-    grpc, metrics, dashboard = free_ports(3)
-    overrides = {**TOPOLOGY, "server.grpc_port": grpc, "server.metrics_port": metrics}
-    overrides["ray.dashboard_port"] = dashboard
-    for dotted, value in overrides.items():
-        node = topo
-        *parents, leaf = dotted.split(".")
-        for key in parents:
-            node = node[key]
-        node[leaf] = value
-    out.write_text(yaml.safe_dump(topo))
+    out.write_text(yaml.safe_dump(topology(REPO / "deploy" / "local.yaml", TOPOLOGY)))
     return out
 
 

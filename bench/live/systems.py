@@ -64,24 +64,37 @@ class LocalCluster:
         self.proc.wait(timeout=120)
 
 
-def topology(base: Path, *, disaggregated: bool) -> dict[str, Any]:
-    """`base` on free ports; `disaggregated`: every request through the prefill pool, else no prefill pool."""
+# Each pdserve system: deploy/local.yaml with these overrides, by dotted path.
+PDSERVE_SYSTEMS: dict[str, dict[str, Any]] = {
+    "pd": {"router.mode": "disaggregate"},  # no local-prefill shortcut: this measures the P/D path
+    "aggregated": {"pools.prefill.replicas": 0},
+}
+
+
+def topology(base: Path, overrides: dict[str, Any]) -> dict[str, Any]:
+    """`base` on free ports (distinct: the topology refuses a port used twice), with `overrides` by dotted
+    path (e.g. `pools.decode.replicas`)."""
     topo = yaml.safe_load(base.read_text())
-    grpc, metrics, dashboard = free_ports(3)  # distinct: the topology refuses a port used twice
-    topo["server"]["grpc_port"], topo["server"]["metrics_port"] = grpc, metrics
-    topo["ray"]["dashboard_port"] = dashboard
-    if disaggregated:
-        topo["router"]["mode"] = "disaggregate"  # no local-prefill shortcut: this measures the P/D path
-    else:
-        topo["pools"]["prefill"]["replicas"] = 0
+    grpc, metrics, dashboard = free_ports(3)
+    for dotted, value in {
+        "server.grpc_port": grpc,
+        "server.metrics_port": metrics,
+        "ray.dashboard_port": dashboard,
+        **overrides,
+    }.items():
+        node = topo
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            node = node[key]
+        node[leaf] = value
     return topo
 
 
 @contextmanager
-def pdserve(base: Path, *, disaggregated: bool) -> Iterator[str]:
+def pdserve(base: Path, overrides: dict[str, Any]) -> Iterator[str]:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "topology.yaml"
-        topo = topology(base, disaggregated=disaggregated)
+        topo = topology(base, overrides)
         path.write_text(yaml.safe_dump(topo))
         cluster = LocalCluster(path)
         try:
@@ -97,7 +110,8 @@ def vllm_serve_config(base: Path, port: int) -> tuple[dict[str, Any], dict[str, 
     from cluster.topology_file import parse_topology
     from engine.model_source import resolve_model_dir
 
-    spec = engine_spec(parse_topology(topology(base, disaggregated=False), str(base)), "decode")
+    aggregated = topology(base, PDSERVE_SYSTEMS["aggregated"])
+    spec = engine_spec(parse_topology(aggregated, str(base)), "decode")
     config = {
         "model": str(resolve_model_dir(spec.model_source)),
         "served-model-name": spec.served_name,
@@ -170,5 +184,5 @@ def started(system: str, base: Path) -> Iterator[str]:
         with vllm_serve(base) as url:
             yield url
     else:
-        with pdserve(base, disaggregated=system == "pd") as target:
+        with pdserve(base, PDSERVE_SYSTEMS[system]) as target:
             yield target
