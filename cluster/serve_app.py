@@ -46,10 +46,9 @@ def engine_spec(topo: Topology, role: str) -> EngineSpec:
         args["max_num_seqs"] = engine.max_num_seqs
     if engine.max_num_batched_tokens is not None:
         args["max_num_batched_tokens"] = engine.max_num_batched_tokens
-    gpu = pool.gpus_per_replica > 0
-    if gpu:
-        args["gpu_memory_utilization"] = engine.gpu_memory_utilization
-    if pool.gpus_per_replica > 1:
+    if pool.gpu_memory_utilization is not None:
+        args["gpu_memory_utilization"] = pool.gpu_memory_utilization
+    if pool.engine_gpus > 1:
         # One Ray worker per GPU bundle of the replica's placement group (vLLM finds the group from the
         # replica actor, which Serve places in it). Left to itself vLLM would pick multiprocessing, which
         # sees no GPU in an actor that holds none, and refuses a world larger than one node's GPUs.
@@ -67,9 +66,9 @@ def engine_spec(topo: Topology, role: str) -> EngineSpec:
         kv_transfer=topo.pools.prefill.replicas > 0,
         kv_load_failure_policy=engine.kv_load_failure_policy,
         kv_readback_ttl_s=topo.pools.kv_readback_ttl_s if topo.pools.prefill.replicas > 0 else 0,
-        device="cuda" if gpu else "cpu",
-        cpu_threads_bind=_threads_binds(pool.cpu_engine.threads_bind) if not gpu else ["auto"],
-        cpu_kv_cache_gib=pool.cpu_engine.kv_cache_gib if not gpu else 1,
+        device="cuda" if pool.uses_gpus else "cpu",
+        cpu_threads_bind=_threads_binds(pool.cpu_engine.threads_bind) if not pool.uses_gpus else ["auto"],
+        cpu_kv_cache_gib=pool.cpu_engine.kv_cache_gib if not pool.uses_gpus else 1,
         bind_host="127.0.0.1" if topo.ray.address is None else None,
         hang_timeout_s=pool.hang_timeout_s,
     )

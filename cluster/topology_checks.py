@@ -139,7 +139,14 @@ def _check_pool(role: str, pool: Pool) -> None:
 def _check_gpu_pool(at: str, pool: Pool) -> None:
     if pool.cpu is not None:
         raise TopologyError(f"{at}.cpu", "only CPU engines (gpus_per_replica: 0) take cpu settings")
-    if pool.gpus_per_node is None:
+    if pool.shares_gpu:
+        _check_gpu_share(at, pool)
+    elif pool.gpus_per_replica != int(pool.gpus_per_replica):
+        raise TopologyError(
+            f"{at}.gpus_per_replica",
+            f"a share of one GPU (below 1) or whole GPUs, got {pool.gpus_per_replica:g}",
+        )
+    elif pool.gpus_per_node is None:
         if pool.gpus_per_replica % pool.nodes_per_replica:
             raise TopologyError(
                 f"{at}.nodes_per_replica",
@@ -153,12 +160,31 @@ def _check_gpu_pool(at: str, pool: Pool) -> None:
             f" = {pool.nodes_per_replica * pool.gpus_per_node}), got {pool.gpus_per_replica}",
         )
     engine = pool.engine
-    if engine.world_size != pool.gpus_per_replica:
+    if engine.world_size != pool.engine_gpus:
         raise TopologyError(
             f"{at}.engine",
             "tensor_parallel_size x pipeline_parallel_size x data_parallel_size "
             f"({engine.tensor_parallel_size} x {engine.pipeline_parallel_size} x {engine.data_parallel_size}"
-            f" = {engine.world_size}) must equal {at}.gpus_per_replica ({pool.gpus_per_replica})",
+            f" = {engine.world_size}) must equal {at}.gpus_per_replica ({pool.engine_gpus})",
+        )
+
+
+def _check_gpu_share(at: str, pool: Pool) -> None:
+    """A replica on a share of one GPU: one engine on one node, within its share of the GPU's memory."""
+    if pool.nodes_per_replica != 1 or pool.gpus_per_node is not None:
+        raise TopologyError(
+            f"{at}.gpus_per_replica",
+            f"a share of one GPU ({pool.gpus_per_replica:g}) runs on one node: nodes_per_replica must be 1"
+            " and gpus_per_node unset",
+        )
+    # vLLM takes gpu_memory_utilization of the whole GPU's memory; engines sharing it must not ask for more
+    # than their share, or the second to start finds too little free memory.
+    asked = pool.engine.gpu_memory_utilization
+    if asked is not None and asked > pool.gpus_per_replica:
+        raise TopologyError(
+            f"{at}.engine.gpu_memory_utilization",
+            f"{asked:g} of the GPU's memory is more than the replica's share of the GPU"
+            f" ({at}.gpus_per_replica: {pool.gpus_per_replica:g}); leave it unset for 0.9 of the share",
         )
 
 
@@ -179,8 +205,9 @@ def _check_cpu_pool(at: str, pool: Pool) -> None:
                 f"{at}.engine.{field}",
                 f"a CPU engine runs one worker: must be 1, got {getattr(engine, field)}",
             )
-    if engine.enable_expert_parallel:
-        raise TopologyError(f"{at}.engine.enable_expert_parallel", "needs GPUs (gpus_per_replica > 0)")
+    for field in ("enable_expert_parallel", "gpu_memory_utilization"):
+        if getattr(engine, field) not in (False, None):
+            raise TopologyError(f"{at}.engine.{field}", "needs GPUs (gpus_per_replica > 0)")
     binds = pool.cpu_engine.threads_bind
     if isinstance(binds, str):
         _check_threads_bind(f"{at}.cpu.threads_bind", binds)

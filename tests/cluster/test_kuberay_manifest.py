@@ -131,6 +131,22 @@ def test_pods_ask_for_less_cpu_than_their_node_has() -> None:
         assert container["resources"]["limits"]["cpu"] == container["resources"]["requests"]["cpu"]
 
 
+def test_replicas_sharing_gpus_share_pods_with_one_gpu_each() -> None:
+    # No inventory: each pool gets pods of one GPU, as many replicas on each as fit its GPU.
+    topo = parse_topology(
+        "model: {block_size: 16}\nray: {address: auto}\n"
+        "pools: {prefill: {replicas: 3, gpus_per_replica: 0.5}, decode: {gpus_per_replica: 0.25}}"
+    )
+    manifest = export_rayservice(topo)
+    jsonschema.validate(manifest, SCHEMA)
+    assert kuberay_rule_violations(manifest) == []
+    groups = {g["groupName"]: g for g in manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
+    assert {name: g["replicas"] for name, g in groups.items()} == {"prefill": 2, "decode": 1}
+    for group in groups.values():
+        (container,) = group["template"]["spec"]["containers"]
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+
+
 def test_engines_in_an_exported_cluster_bind_their_pod_address_not_loopback() -> None:
     # deploy/local.yaml starts a local head (ray.address null): its engines bind 127.0.0.1. In a RayService
     # every engine is in its own pod, so the export's engines bind the pod's address.

@@ -159,6 +159,21 @@ def test_single_gpu_replica_actor_holds_its_gpu() -> None:
     assert fits(decode["ray_actor_options"], decode["placement_group_bundles"][0])
 
 
+def test_replicas_sharing_a_gpu_hold_their_share_and_ask_vllm_for_their_share_of_memory() -> None:
+    topo = parse_topology(
+        "model: {block_size: 16}\npools: {prefill: {gpus_per_replica: 0.5}, decode: {gpus_per_replica: 0.5}}"
+    )
+    compiled = deployments(compile_serve_config(topo))
+    for role in ("prefill", "decode"):
+        d = compiled[role]
+        assert d["placement_group_bundles"] == [{"GPU": 0.5, "CPU": 2.0}]
+        assert d["ray_actor_options"]["num_gpus"] == 0.5  # Ray sets CUDA_VISIBLE_DEVICES for a share too
+        assert fits(d["ray_actor_options"], d["placement_group_bundles"][0])
+        spec = engine_spec(topo, role)
+        assert spec.device == "cuda" and spec.engine_args["gpu_memory_utilization"] == 0.45
+        assert "distributed_executor_backend" not in spec.engine_args
+
+
 def test_multi_gpu_engines_run_their_workers_in_the_replicas_placement_group() -> None:
     # vLLM's Ray executor, which takes the GPU bundles of the group the replica actor runs in; left to
     # choose, vLLM picks multiprocessing (no GPU in the actor) or refuses TP16 on 8-GPU nodes.
