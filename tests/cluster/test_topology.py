@@ -331,40 +331,6 @@ def test_replicas_may_share_one_gpu_each_within_its_share_of_memory() -> None:
     assert parse_topology(H200_POOLS).pools.decode.gpu_memory_utilization is None
 
 
-@pytest.mark.parametrize(
-    ("topology", "path", "reason"),
-    [
-        (
-            "model: {block_size: 16}\npools: {prefill: {replicas: 0}, decode: {gpus_per_replica: 1.5}}",
-            "pools.decode.gpus_per_replica",
-            "a share of one GPU (below 1) or whole GPUs, got 1.5",
-        ),
-        (
-            "model: {block_size: 16}\n"
-            "pools: {prefill: {replicas: 0}, decode: {gpus_per_replica: 0.5, nodes_per_replica: 2}}",
-            "pools.decode.gpus_per_replica",
-            "a share of one GPU (0.5) runs on one node: nodes_per_replica must be 1 and gpus_per_node unset",
-        ),
-        (
-            "model: {block_size: 16}\npools: {prefill: {replicas: 0},"
-            " decode: {gpus_per_replica: 0.5, engine: {gpu_memory_utilization: 0.6}}}",
-            "pools.decode.engine.gpu_memory_utilization",
-            "0.6 of the GPU's memory is more than the replica's share of the GPU"
-            " (pools.decode.gpus_per_replica: 0.5); leave it unset for 0.9 of the share",
-        ),
-        (
-            "pools: {decode: {engine: {gpu_memory_utilization: 0.5}}}",  # a CPU engine
-            "pools.decode.engine.gpu_memory_utilization",
-            "needs GPUs (gpus_per_replica > 0)",
-        ),
-    ],
-)
-def test_gpu_shares_and_memory_are_checked(topology: str, path: str, reason: str) -> None:
-    with pytest.raises(TopologyError) as info:
-        parse_topology(topology)
-    assert (info.value.path, info.value.reason) == (path, reason)
-
-
 def test_two_half_gpu_replicas_fit_one_gpu_and_a_third_does_not() -> None:
     parse_topology(ONE_GPU_SHARED + "nodes: [{name: gpu, gpus: 1, cpus: 8}]")
     with pytest.raises(TopologyError) as info:
