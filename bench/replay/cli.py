@@ -22,8 +22,8 @@ import msgspec
 from bench.replay.bounds import belady_hit_ratio, pooled_lru_hit_ratio
 from bench.replay.metrics import DEFAULT_SLO, PolicyResult, format_table
 from bench.replay.policies import describe_pdserve, select
-from bench.replay.runner import run_policy, set_load
-from bench.replay.sim import SimConfig
+from bench.replay.runner import replay_policy, set_load
+from bench.replay.sim import RequestRecord, SimConfig
 from bench.replay.traces import (
     DEFAULT_TRACES_DIR,
     Trace,
@@ -127,6 +127,13 @@ def build_parser() -> argparse.ArgumentParser:
         "router.tpot_slo_ms)",
     )
     p.add_argument("--json", type=Path, default=None, help="write the full report here")
+    p.add_argument(
+        "--records",
+        type=Path,
+        default=None,
+        help="write every request's record here, by policy (JSON: arrival, prefill start/end, first token, "
+        "replicas, cached/computed tokens): which requests make a tail",
+    )
     return p
 
 
@@ -209,9 +216,10 @@ def main(argv: list[str] | None = None) -> int:
         pdserve = describe_pdserve(router)
         print(f"{pdserve}; readback {readback}", flush=True)
     results = []
+    records: dict[str, list[RequestRecord]] = {}
     for name, factory in policies.items():
-        results.append(run_policy(trace, name, factory, cfg, bound, slo=slo, pooled=pooled))
-        r = results[-1]
+        r, records[name] = replay_policy(trace, name, factory, cfg, bound, slo=slo, pooled=pooled)
+        results.append(r)
         print(
             f"  {name}: hit/bound {r.hit_vs_bound:.3f} max/mean {r.load_max_over_mean:.3f} "
             f"(window {r.load_max_over_mean_window:.3f}, busy {r.busy_max_over_mean:.3f}) "
@@ -232,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
             results=results,
         )
         args.json.write_bytes(msgspec.json.format(msgspec.json.encode(report)))
+    if args.records is not None:
+        args.records.write_bytes(msgspec.json.encode(records))
     return 0
 
 

@@ -11,7 +11,7 @@ from bench.replay.index_feed import KvIndexFeed
 from bench.replay.load import estimate_concurrency, estimate_time_scale, refine
 from bench.replay.metrics import PolicyResult, summarize
 from bench.replay.policies import PolicyFactory
-from bench.replay.sim import SimConfig, Simulator
+from bench.replay.sim import RequestRecord, SimConfig, Simulator
 from bench.replay.traces import Trace, infinite_cache_hit_ratio
 from bench.slo import Slo
 
@@ -26,6 +26,20 @@ def run_policy(
     slo: Slo | None = None,
     pooled: float | None = None,
 ) -> PolicyResult:
+    return replay_policy(trace, name, factory, cfg, bound, slo=slo, pooled=pooled)[0]
+
+
+def replay_policy(
+    trace: Trace,
+    name: str,
+    factory: PolicyFactory,
+    cfg: SimConfig,
+    bound: float,
+    *,
+    slo: Slo | None = None,
+    pooled: float | None = None,
+) -> tuple[PolicyResult, list[RequestRecord]]:
+    """The policy's summary, and what happened to each request (`pdserve replay --records`)."""
     replica_ids = [f"p{i}" for i in range(cfg.prefill_replicas)] + [
         f"d{i}" for i in range(cfg.decode_replicas)
     ]
@@ -37,7 +51,7 @@ def run_policy(
     t0 = time.perf_counter()
     sim = Simulator(trace, factory(cfg.timing), cfg, index_factory=index_factory)  # type: ignore[arg-type]
     records = sim.run()
-    return summarize(name, sim, records, bound, time.perf_counter() - t0, slo=slo, pooled=pooled)
+    return summarize(name, sim, records, bound, time.perf_counter() - t0, slo=slo, pooled=pooled), records
 
 
 def set_load(

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from bench.replay.cli import main
+from bench.replay.sim import RequestRecord
+from bench.slo import percentile
 
 SMALL = ["--trace", "mooncake", "--requests", "300", "--time-scale", "2.947", "--policies", "pdserve"]
 
@@ -27,6 +30,26 @@ def test_the_topologys_router_section_and_readback_reach_pdserve_and_the_report(
     out = capsys.readouterr().out
     assert "pdserve: mode disaggregate, local_prefill_max_tokens 1024, prefill weight 20," in out
     assert "prefill overflow off; readback 60 s, exports on" in out
+
+
+def test_records_say_what_happened_to_every_request_of_every_policy(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "records.json"
+    report = tmp_path / "report.json"
+    argv = [*SMALL[:-1], "pdserve,least_loaded", "--records", str(out), "--json", str(report)]
+    assert main(argv) == 0
+    records = msgspec.json.decode(out.read_bytes(), type=dict[str, list[RequestRecord]])
+    results = {r["policy"]: r for r in msgspec.json.decode(report.read_bytes())["results"]}
+    assert set(records) == set(results) == {"pdserve", "least_loaded"}
+    for policy, rs in records.items():
+        assert len(rs) == results[policy]["requests"] == 300
+        assert len({r.request_id for r in rs}) == 300
+        # The report's latencies are these records' (its TTFT P99 over the measurement window).
+        ttft = [r.first_token - r.arrival for r in rs if r.in_window]
+        assert percentile(ttft, 99) == pytest.approx(results[policy]["ttft_p99_s"])
+        assert all(r.arrival <= r.prefill_start <= r.prefill_end <= r.first_token <= r.finish for r in rs)
+    capsys.readouterr()
 
 
 def test_a_bad_topology_is_refused_with_its_field_path(
