@@ -16,19 +16,6 @@ from bench.replay.traces import Trace, infinite_cache_hit_ratio
 from bench.slo import Slo
 
 
-def run_policy(
-    trace: Trace,
-    name: str,
-    factory: PolicyFactory,
-    cfg: SimConfig,
-    bound: float,
-    *,
-    slo: Slo | None = None,
-    pooled: float | None = None,
-) -> PolicyResult:
-    return replay_policy(trace, name, factory, cfg, bound, slo=slo, pooled=pooled)[0]
-
-
 def replay_policy(
     trace: Trace,
     name: str,
@@ -86,7 +73,7 @@ def set_load(
         name, factory = reference
 
         def measure(k: float) -> float:
-            return run_policy(trace, name, factory, with_knob(k), bound).prefill_util
+            return replay_policy(trace, name, factory, with_knob(k), bound)[0].prefill_util
 
         knob, _ = refine(knob, target, measure, rounds=pilot_rounds, integer=trace.closed_loop, log=log)
     return with_knob(knob)
