@@ -123,8 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--slo",
         type=_slo,
         default=None,
-        help="what goodput counts, e.g. ttft=5,tpot=0.05 (seconds; default ttft 5 s and the topology's "
-        "router.tpot_slo_ms)",
+        help="what goodput counts, e.g. ttft=5,tpot=0.05 (seconds; default the topology's "
+        "router.ttft_slo_ms and router.tpot_slo_ms)",
     )
     p.add_argument("--json", type=Path, default=None, help="write the full report here")
     p.add_argument(
@@ -181,7 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     pooled = None
     if args.bounds:
         pooled = _print_bounds(trace, capacity, args.replicas, args.decode_replicas or args.replicas, bound)
-    default = msgspec.structs.replace(DEFAULT_SLO, tpot_s=router.tpot_slo_ms / 1e3)
+    default = msgspec.structs.replace(
+        DEFAULT_SLO, ttft_s=router.ttft_slo_ms / 1e3, tpot_s=router.tpot_slo_ms / 1e3
+    )
     slo = msgspec.structs.replace(default, **(args.slo or {}))
     cfg = SimConfig(
         prefill_replicas=args.replicas,

@@ -10,7 +10,7 @@ import msgspec
 from bench.replay.sim import RequestRecord, Simulator
 from bench.slo import Slo, percentile
 
-# Goodput's SLO when `--slo` does not say (the replay's CLI takes TPOT from the router's own SLO).
+# Goodput's SLO when `--slo` does not say (the replay's CLI takes both from the router's own SLOs).
 DEFAULT_SLO = Slo(ttft_s=5.0, tpot_s=0.05)
 
 

@@ -1,7 +1,10 @@
 """pdserve's routing cost: one formula, in estimated seconds of this request's latency.
 
-    cost = w_prefill  * prefill_s(uncached on C, cached on C)      computing the prompt on replica C
+    cost = w_prefill  * prefill_s(uncached on C, cached on C)      computing the prompt on replica C (w_copy
+                                                                  on seconds beyond the cheapest prefill
+                                                                  replica's, for a new prompt)
          + w_queue    * queued_prefill_s(C)                       waiting behind C's queued prompts
+         + w_over_slo * max(0, queued + prefill - TTFT SLO)        ... the first token past its SLO (C a P)
          + w_transfer * transfer_s(tokens C pulls, source~C node)  pulling a prefix C lacks (readback/export)
          + balance + churn                                        C's recent work above its pool's mean
          + w_decode   * out * tpot_s(active(D) + 1, context(D) + prompt) + kv_full_s * kv_usage(D)
@@ -15,6 +18,18 @@ picks. Every time
 comes from `router.policy.service_time.ServiceTimeModel`, the model the trace replay charges, so a cached
 token is worth what it saves (a hit on a long context saves attention over all of it). `out` is the request's
 `max_tokens` capped at `max_output_tokens` (clients often send a large ceiling).
+
+A prompt that does not continue a session the router has placed (a first turn, a request without a session)
+shares its cached prefix with other requests: a prefill replica that recomputes it beside the replica that
+holds it makes a second copy in the prefill pool, which splits the hits of every later request sharing it and
+evicts what that cache held. Each second it spends beyond the cheapest prefill replica's own is charged `copy`
+(`COPY_WEIGHT`) instead of `prefill`. A session's next turn is charged `prefill` throughout: the prefix is its
+own context, which moves with it once (such moves are what keep a pool of long sessions balanced). The wait
+for a prefill replica counts as itself (`queue`, 1) while the first token stays within the TTFT SLO
+(`router.ttft_slo_ms`), and `OVER_SLO_WEIGHT` x the time past it on top, as a local prefill's stall is
+charged against the inter-token SLO: a cost linear in the wait would hold a prompt behind any queue shorter
+than its hit's weighted saving, and the TTFT tail would pay for it. (A local prefill's own wall is in its
+stall term already, at the over-SLO weight when its steps break the inter-token SLO.)
 
 A local prefill runs chunked between D's decode steps (`ServiceTimeModel.mixed_prefill`): for `steps` mixed
 steps each running sequence waits `step` instead of its decode step, a `delay` of steps x (step - tpot(D)),
@@ -40,21 +55,26 @@ NonNegative = Annotated[float, msgspec.Meta(ge=0)]
 
 
 # A local prefill that breaks the inter-token SLO of every running sequence on its decode replica is worth
-# doing only if it saves this many times the delay it adds (docs/routing.md: the replay's trade of cache
-# hits against decode TPOT).
+# doing only if it saves this many times the delay it adds, and a wait past the TTFT SLO only if it saves this
+# many times the excess (docs/routing.md: the replay's trade of cache hits against decode TPOT and TTFT).
 OVER_SLO_WEIGHT = 20.0
+# Seconds a new prompt spends recomputing a prefix another prefill replica holds (docs/routing.md: the
+# Mooncake replay's hits against Claude Code's balance).
+COPY_WEIGHT = 80.0
 
 
 class CostWeights(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
     timing: ServiceTimeModel
     prefill: NonNegative  # router.prefill_weight
     tpot_slo_s: NonNegative  # router.tpot_slo_ms / 1000
+    ttft_slo_s: NonNegative = 5.0  # router.ttft_slo_ms / 1000
+    copy: NonNegative = COPY_WEIGHT
     queue: NonNegative = 1.0
     transfer: NonNegative = 1.0
     decode: NonNegative = 1.0
     kv_full_s: NonNegative = 2.0  # a judgement: the recompute of a ~40k-token context on the default model
     stall: NonNegative = 1.0
-    over_slo_stall: NonNegative = OVER_SLO_WEIGHT
+    over_slo: NonNegative = OVER_SLO_WEIGHT
     max_output_tokens: Annotated[int, msgspec.Meta(ge=0)] = 1024
 
     @staticmethod
@@ -64,6 +84,7 @@ class CostWeights(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
             timing=timing or cfg.service_time.timing(),
             prefill=cfg.prefill_weight,
             tpot_slo_s=cfg.tpot_slo_ms / 1000.0,
+            ttft_slo_s=cfg.ttft_slo_ms / 1000.0,
         )
 
 
@@ -94,8 +115,10 @@ def queued_prefill_s(timing: ServiceTimeModel, r: ReplicaView) -> float:
     return reqs * timing.prefill_s(r.queued_prefill_tokens // reqs, 0)
 
 
-def queue_term(w: CostWeights, r: ReplicaView) -> float:
-    return w.queue * queued_prefill_s(w.timing, r)
+def wait_term(w: CostWeights, queued_s: float, own_s: float) -> float:
+    """Weighted seconds of waiting `queued_s` before a prefill of `own_s`: the wait, and the first token's
+    time past the TTFT SLO at the over-SLO weight."""
+    return w.queue * queued_s + w.over_slo * max(0.0, queued_s + own_s - w.ttft_slo_s)
 
 
 def decode_term(w: CostWeights, d: ReplicaView, num_prompt_tokens: int, max_tokens: int) -> float:
@@ -135,7 +158,7 @@ def stall_term(
         new_tokens, cached, batch, d.active_context_tokens, prefill_s=prefill_s, tpot_s=tpot
     )
     delay = steps * (step - tpot)
-    weight = w.over_slo_stall if step > w.tpot_slo_s and not overflow else w.stall
+    weight = w.over_slo if step > w.tpot_slo_s and not overflow else w.stall
     return weight * (batch * delay + steps * step)
 
 

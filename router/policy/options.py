@@ -33,11 +33,11 @@ from router.policy.cost import (
     breaks_slo,
     decode_term,
     estimated_prefill_s,
-    queue_term,
     queued_prefill_s,
     same_node,
     stall_term,
     transfer_term,
+    wait_term,
 )
 from router.policy.pull import Pull, pull_term, starts_from
 from router.policy.recent_work import TIE_TOLERANCE_S, RecentWork, pick
@@ -127,6 +127,8 @@ class PrefillSides(NamedTuple):
     start: list[int]  # tokens it starts from (its own or a pulled prefix)
     own_s: list[float]
     queued: list[float]  # estimated seconds queued on it (unweighted)
+    prefill: list[float]  # the prefill term (with the copy charge)
+    queue: list[float]  # the queue term (its wait)
     balance: list[float]
     churn: list[float]
     total: list[float]  # the part's terms added up
@@ -142,10 +144,15 @@ class PrefillSides(NamedTuple):
 class Scorer:
     """Scores options for one request; prefill estimates are shared between replicas with equal prefixes."""
 
-    def __init__(self, w: CostWeights, prompt: Prompt, pull: Pull | None) -> None:
+    def __init__(
+        self, w: CostWeights, prompt: Prompt, pull: Pull | None, *, continuing: bool = False
+    ) -> None:
+        """`continuing`: the request is the next turn of a session the router has placed (its cached prefix
+        is the session's own: no copy charge, `router.policy.cost`)."""
         self.w = w
         self.prompt = prompt
         self.pull = pull
+        self.continuing = continuing
         self._prefill_s: dict[int, float] = {}
 
     def own_s(self, cached: int) -> float:
@@ -179,19 +186,24 @@ class Scorer:
             held if pull is None else [starts_from(w, pull, p, c) for p, c in zip(prefill, held, strict=True)]
         )
         own_s = [self.own_s(c) for c in start]
+        f = w.prefill
+        copy = w.prefill if self.continuing else w.copy
+        if copy == f:
+            prefills = [f * s for s in own_s]
+        else:
+            cheapest = min(own_s)
+            prefills = [f * cheapest + copy * (s - cheapest) for s in own_s]
         queued = [queued_prefill_s(w.timing, p) for p in prefill]
-        f, q = w.prefill, w.queue  # the prefill and queue terms, as cost.py weighs them
+        queues = [wait_term(w, t, s) for t, s in zip(queued, own_s, strict=True)]
         if pull is None:
-            totals = [
-                f * s + q * t + b + c for s, t, b, c in zip(own_s, queued, charges, churns, strict=True)
-            ]
+            totals = [a + q + b + c for a, q, b, c in zip(prefills, queues, charges, churns, strict=True)]
         else:
             pulls = [pull_term(w, pull, p, s - c) for p, s, c in zip(prefill, start, held, strict=True)]
             totals = [
-                f * s + q * t + x + b + c
-                for s, t, x, b, c in zip(own_s, queued, pulls, charges, churns, strict=True)
+                a + q + x + b + c
+                for a, q, x, b, c in zip(prefills, queues, pulls, charges, churns, strict=True)
             ]
-        return PrefillSides(prefill, held, start, own_s, queued, charges, churns, totals)
+        return PrefillSides(prefill, held, start, own_s, queued, prefills, queues, charges, churns, totals)
 
     def disaggregated(
         self, sides: PrefillSides, i: int, d: ReplicaView, d_cached: int, decode_s: float
@@ -204,7 +216,7 @@ class Scorer:
         pulled = start - s.held[i]
         pulling = pull_term(w, self.pull, p, pulled)
         return Option(
-            "disaggregated", d, p, start, pulled, s.own_s[i], w.prefill * s.own_s[i], w.queue * s.queued[i],
+            "disaggregated", d, p, start, pulled, s.own_s[i], s.prefill[i], s.queue[i],
             pulling, s.balance[i], s.churn[i], decode_s, move, 0.0, s.total[i] + decode_s + move,
         )  # fmt: skip
 
@@ -229,7 +241,7 @@ class Scorer:
         )
         if prefill + decode_s + stall > above:
             return None
-        queue = queue_term(w, d)
+        queue = w.queue * queued_prefill_s(w.timing, d)  # its own wall is in the stall term
         return Option(
             kind, d, d, cached, 0, own_s, prefill, queue, 0.0, 0.0, 0.0, decode_s, 0.0, stall,
             prefill + queue + decode_s + stall,

@@ -113,7 +113,7 @@ class PdservePolicy:
         )
         pull = offer(req, decode, decs, matched, prompt.most) if pres else None
         candidates, affinity = self._candidates(decs, session)
-        scorer = Scorer(self.weights, prompt, pull)
+        scorer = Scorer(self.weights, prompt, pull, continuing=session is not None)
         options = candidate_options(self.config, scorer, pres, candidates, self._balance)
         win = options[pick([o.decode for o in options], [o.total for o in options], self.recent)]
         self._account(req, win)

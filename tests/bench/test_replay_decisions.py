@@ -2,10 +2,10 @@
 a refactor of the cost, the options or the selector must not change a single decision, nor the cost it was
 made at.
 
-Recorded last when a local prefill's stall became the chunked-prefill delay priced against the inter-token SLO
-(`router.tpot_slo_ms`, replacing `long_stall_weight`). The slices cover every outcome label (disaggregated,
-local, long local, prefill overflow, affinity) and readback with exports. A deliberate change of the policy
-re-records the file (`record_decisions` below) and says why in its commit.
+Recorded last when a new prompt's copy of a prefix another prefill replica holds was charged `COPY_WEIGHT`
+and a wait past the TTFT SLO (`router.ttft_slo_ms`) `OVER_SLO_WEIGHT` x the excess. The slices cover every
+outcome label (disaggregated, local, long local, prefill overflow, affinity) and readback with exports. A
+deliberate change of the policy re-records the file (`record_decisions` below) and says why in its commit.
 """
 
 from __future__ import annotations

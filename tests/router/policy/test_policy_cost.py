@@ -6,7 +6,14 @@ import pytest
 from policy_helpers import BS, view
 
 from router.config import RouterConfig
-from router.policy.cost import CostWeights, cached_tokens, decode_term, estimated_prefill_s, queue_term
+from router.policy.cost import (
+    CostWeights,
+    cached_tokens,
+    decode_term,
+    estimated_prefill_s,
+    queued_prefill_s,
+    wait_term,
+)
 from router.policy.options import Balance, Prompt, Scorer
 from router.policy.recent_work import RecentWork
 from router.policy.types import ReplicaView, Terms
@@ -94,9 +101,22 @@ def test_decode_term_grows_with_batch_context_and_kv_usage() -> None:
 
 def test_queue_without_an_estimate_is_costed_from_its_counts() -> None:
     counted = view("p", queued=8000, reqs=2)
-    assert queue_term(W, counted) == pytest.approx(2 * T.prefill_s(4000, 0))
-    assert queue_term(W, view("p")) == 0.0
-    assert queue_term(W, msgspec.structs.replace(counted, queued_prefill_s=0.25)) == 0.25
+    assert queued_prefill_s(T, counted) == pytest.approx(2 * T.prefill_s(4000, 0))
+    assert queued_prefill_s(T, view("p")) == 0.0
+    assert queued_prefill_s(T, msgspec.structs.replace(counted, queued_prefill_s=0.25)) == 0.25
+
+
+def test_a_wait_past_the_ttft_slo_is_charged_over_slo_weight_on_the_excess() -> None:
+    assert W.ttft_slo_s == RouterConfig().ttft_slo_ms / 1000
+    assert wait_term(W, 3.0, 1.0) == pytest.approx(3.0)  # first token at 4 s: within the SLO, the wait
+    # First token at 7 s: the wait, and 2 s past the SLO at the over-SLO weight.
+    assert wait_term(W, 5.0, 2.0) == pytest.approx(5.0 + W.over_slo * 2.0)
+    p = msgspec.structs.replace(view("p", queued=100), queued_prefill_s=W.ttft_slo_s)
+    t = cost(W, 4096, 1, p, 0, view("d", "decode"), 0)
+    assert t.queue == pytest.approx(W.ttft_slo_s + W.over_slo * T.prefill_s(4096, 0))
+    # A local prefill's wall is in its stall term (at the over-SLO weight past the inter-token SLO).
+    d = msgspec.structs.replace(view("d", "decode"), queued_prefill_s=W.ttft_slo_s)
+    assert cost(W, 4096, 1, d, 0, d, 0).queue == pytest.approx(W.ttft_slo_s)
 
 
 def test_same_node_transfer_is_cheaper_and_local_prefill_transfers_nothing() -> None:
@@ -145,7 +165,7 @@ def test_a_local_prefill_charges_the_delay_its_mixed_steps_add_to_every_running_
     assert cost(loose, 8000, 1, idle, 4000, idle, 4000).stall == pytest.approx(T.prefill_s(4000, 4000))
     # The next sequence admitted to an idle replica meets the same steps: a long prefill breaks the SLO.
     assert cost(W, 8000, 1, idle, 4000, idle, 4000).stall == pytest.approx(
-        W.over_slo_stall * T.prefill_s(4000, 4000)
+        W.over_slo * T.prefill_s(4000, 4000)
     )
     # A prompt longer than a step's budget takes several mixed steps, each at least a decode step.
     steps, step = T.mixed_prefill(20_000, 0, 3, 3_000)
@@ -157,8 +177,21 @@ def test_a_local_prefill_that_breaks_the_inter_token_slo_is_charged_over_slo_wei
     _, step = T.mixed_prefill(4000, 4000, 3, 3_000)
     within = cost(msgspec.structs.replace(W, tpot_slo_s=step * 1.01), 8000, 1, d, 4000, d, 4000)
     broken = cost(msgspec.structs.replace(W, tpot_slo_s=step * 0.99), 8000, 1, d, 4000, d, 4000)
-    assert broken.stall == pytest.approx(within.stall * W.over_slo_stall / W.stall)
+    assert broken.stall == pytest.approx(within.stall * W.over_slo / W.stall)
     assert RouterConfig().tpot_slo_ms / 1e3 == W.tpot_slo_s
     # Only a local prefill slows a decode batch.
     p = view("p")
     assert cost(W, 8000, 1, p, 4000, d, 4000).stall == 0.0
+
+
+def test_a_new_prompt_recomputing_a_prefix_another_prefill_replica_holds_is_charged_copy_weight() -> None:
+    holder, other = view("p1"), view("p2")
+    prompt = Prompt(tokens=64_000, max_tokens=1, block_size=1, matched={"p1": 60_000, "p2": 0})
+    none = Balance(RecentWork(), RecentWork(), 0.0, 0.0)
+    new = Scorer(W, prompt, None).prefill_sides([holder, other], none)
+    hit, miss = new.own_s
+    assert new.prefill == pytest.approx([W.prefill * hit, W.prefill * hit + W.copy * (miss - hit)])
+    # A session's next turn: its prefix is its own context, which may move with it at the prefill weight.
+    turn = Scorer(W, prompt, None, continuing=True).prefill_sides([holder, other], none)
+    assert turn.prefill == pytest.approx([W.prefill * hit, W.prefill * miss])
+    assert W.copy > W.prefill

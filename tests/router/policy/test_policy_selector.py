@@ -27,21 +27,46 @@ def choose(prefill, decode, blocks=None, n=N, session=None, policy=None):  # typ
     return pol.choose(request(n, session), prefill, decode, FixedLookup(blocks))
 
 
+# A TTFT SLO no option here breaks: a wait is charged as itself (tests of the other terms).
+LAX_TTFT = RouterConfig(ttft_slo_ms=600_000.0)
+
+
 def test_uncached_prefill_term_prefers_the_prefill_replica_holding_the_prefix() -> None:
     d = choose([view("p0"), view("p1")], [view("d0", "decode")], {"p1": 200})
     assert d.prefill == "p1" and d.predicted_cached_tokens == 200 * BS and not d.local_prefill
     assert d.reason == "disaggregated"
 
 
+def next_turn(prefill, decode, blocks=None, config=None, n=N):  # type: ignore[no-untyped-def]
+    """A session's next turn: the policy has placed the session's first turn."""
+    pol = PdservePolicy(config or RouterConfig(balance_weight=0.0, churn_weight=0.0))
+    choose([view("p0"), view("p1")], decode, session="s", policy=pol)
+    return choose(prefill, decode, blocks, n, session="s", policy=pol)
+
+
 def test_queued_prefill_term_moves_work_off_a_busy_prefill_replica() -> None:
-    # p0 holds 3200 of 4096 tokens; the hit saves well under a second of prefill.
-    d = choose([queued(view("p0"), 5.0), view("p1")], [view("d0", "decode")], {"p0": 200})
+    # p0 holds 3200 of 4096 tokens of the session's context; the hit saves well under a second of prefill.
+    d = next_turn([queued(view("p0"), 5.0), view("p1")], [view("d0", "decode")], {"p0": 200})
     assert d.prefill == "p1"
-    d = choose([queued(view("p0"), 0.06), view("p1")], [view("d0", "decode")], {"p0": 200})
+    d = next_turn([queued(view("p0"), 0.06), view("p1")], [view("d0", "decode")], {"p0": 200})
     assert d.prefill == "p0"
     # Without an estimate in the view, the queued token and request counts stand in for it.
-    d = choose([view("p0", queued=200_000, reqs=10), view("p1")], [view("d0", "decode")], {"p0": 200})
+    d = next_turn([view("p0", queued=200_000, reqs=10), view("p1")], [view("d0", "decode")], {"p0": 200})
     assert d.prefill == "p1"
+
+
+def test_a_new_prompt_waits_for_the_holder_of_its_prefix_within_the_ttft_slo() -> None:
+    # p0 holds 3200 of 4096 tokens another request shared. Recomputing them on p1 copies them into a second
+    # prefill cache: a new prompt waits 2 s for p0 where a session's next turn (its own context) moves.
+    disagg = RouterConfig(mode="disaggregate")
+    busy = [queued(view("p0"), 2.0), view("p1")]
+    assert choose(busy, [view("d0", "decode")], {"p0": 200}, policy=PdservePolicy(disagg)).prefill == "p0"
+    assert next_turn(busy, [view("d0", "decode")], {"p0": 200}, disagg).prefill == "p1"
+    # A wait that takes its first token past the TTFT SLO is charged over-SLO weight on the excess.
+    late = [queued(view("p0"), 6.0), view("p1")]
+    assert choose(late, [view("d0", "decode")], {"p0": 200}, policy=PdservePolicy(disagg)).prefill == "p1"
+    tight = PdservePolicy(msgspec.structs.replace(disagg, ttft_slo_ms=1000.0))
+    assert choose(busy, [view("d0", "decode")], {"p0": 200}, policy=tight).prefill == "p1"
 
 
 @pytest.mark.parametrize("field, value", [("active", 10), ("kv", 0.8)])
@@ -57,13 +82,20 @@ def test_transfer_term_prefers_decode_holding_more_of_the_prompt() -> None:
 
 def test_transfer_term_prefers_a_prefill_replica_on_the_decode_node() -> None:
     n = 100_000  # a long prompt: the cross-node transfer takes ~18 ms, the NVLink one ~2 ms
+    lax = PdservePolicy(LAX_TTFT)
     pres = [view("p0", node="n0"), view("p1", node="n1")]
-    assert choose(pres, [view("d1", "decode", node="n1")], n=n).prefill == "p1"
+    assert choose(pres, [view("d1", "decode", node="n1")], n=n, policy=lax).prefill == "p1"
     # Joint choice: a slightly busier same-node P still wins when the transfer saving exceeds its queue...
     pres = [view("p0", node="n0"), queued(view("p1", node="n1"), 0.005)]
-    assert choose(pres, [view("d1", "decode", node="n1")], n=n).prefill == "p1"
+    lax = PdservePolicy(LAX_TTFT)
+    assert choose(pres, [view("d1", "decode", node="n1")], n=n, policy=lax).prefill == "p1"
     # ...and loses when its queue costs more than the saving.
     pres = [view("p0", node="n0"), queued(view("p1", node="n1"), 1.0)]
+    lax = PdservePolicy(LAX_TTFT)
+    assert choose(pres, [view("d1", "decode", node="n1")], n=n, policy=lax).prefill == "p0"
+    # The prompt's own ~11 s prefill is past the default TTFT SLO: every second of wait before it counts
+    # over-SLO weight, more than the transfer saves.
+    pres = [view("p0", node="n0"), queued(view("p1", node="n1"), 0.005)]
     assert choose(pres, [view("d1", "decode", node="n1")], n=n).prefill == "p0"
 
 
@@ -99,14 +131,15 @@ def test_mode_disaggregate_always_prefills_on_a_prefill_replica_while_one_is_eli
 def test_a_decode_replica_holding_a_long_context_prefills_a_long_suffix_when_the_hop_costs_more() -> None:
     # d0 holds 126k of a 128k-token session context; the prefill replica holds none of it. Recomputing it all
     # there costs ~20 s; d0 computes the 2k new tokens over its cached context in well under a second, which
-    # its wait (x `over_slo_stall`: the next sequence admitted meets steps past the SLO) does not outweigh.
+    # its wait (x `over_slo`: the next sequence admitted meets steps past the SLO) does not outweigh.
     n, held = 128 * 1024, {"d0": (128 * 1024 - 2048) // BS}
     d = choose([view("p0")], [view("d0", "decode")], held, n=n)
     assert d.local_prefill and d.prefill is None and d.decode == "d0" and d.reason == "long_local_prefill"
     # The prefill replica holding the context too: the hop costs the same prefill and no batch waits.
     assert choose([view("p0")], [view("d0", "decode")], {**held, "p0": held["d0"]}, n=n).prefill == "p0"
-    # A busy batch: 30 sequences would each wait the prefill; the hop is cheaper.
-    busy = [view("d0", "decode", active=30)]
+    # A busy batch: 45 sequences would each wait the prefill past the inter-token SLO; the hop, though its
+    # first token comes ~14 s past the TTFT SLO, is cheaper.
+    busy = [view("d0", "decode", active=45)]
     assert choose([view("p0")], busy, held, n=n).prefill == "p0"
     # Mode disaggregate: only the hop.
     off = PdservePolicy(RouterConfig(mode="disaggregate"))
@@ -115,29 +148,33 @@ def test_a_decode_replica_holding_a_long_context_prefills_a_long_suffix_when_the
 
 def test_prefill_overflow_charges_a_long_local_prefill_as_a_short_one() -> None:
     # d0 holds 48k of a 64k prompt: 16k tokens is far above the local threshold, and d0's ~2 s prefill
-    # weighted `over_slo_stall` costs more than a prefill replica computing all 64k (~5 s) after a 12 s queue.
-    # With every prefill replica at least `prefill_overflow_queue_s` behind, the stall is weighted `stall`:
-    # d0 computes the suffix itself.
+    # weighted `over_slo` costs more than a prefill replica computing all 64k (~5 s) after a 12 s queue (were
+    # that queue within the TTFT SLO). With every prefill replica at least `prefill_overflow_queue_s` behind,
+    # the stall is weighted `stall`: d0 computes the suffix itself.
     n, decs, held = 64_000, [view("d0", "decode")], {"d0": 3000}
+    pol = PdservePolicy(LAX_TTFT)
     backed_up = [queued(view("p0"), 12.0), queued(view("p1"), 15.0)]
-    d = choose(backed_up, decs, held, n=n)
+    d = choose(backed_up, decs, held, n=n, policy=pol)
     assert d.local_prefill and d.prefill is None and d.reason == "prefill_overflow"
     assert d.predicted_cached_tokens == 3000 * BS
     # One prefill replica below the threshold: the prompt goes there.
     one_free = [queued(view("p0"), 12.0), queued(view("p1"), 9.0)]
-    assert choose(one_free, decs, held, n=n).prefill == "p1"
-    off = PdservePolicy(RouterConfig(prefill_overflow_queue_s=None))
+    assert choose(one_free, decs, held, n=n, policy=pol).prefill == "p1"
+    off = PdservePolicy(msgspec.structs.replace(LAX_TTFT, prefill_overflow_queue_s=None))
     assert choose(backed_up, decs, held, n=n, policy=off).prefill == "p0"
+    # With the default TTFT SLO, a 9 s wait and a 5 s prefill are 9 s past it: d0's prefill is cheaper.
+    assert choose(one_free, decs, held, n=n).local_prefill
 
 
 def test_prefill_overflow_stays_off_a_busy_decode_batch() -> None:
     # The stall term: 20 running sequences would each wait the ~2 s local prefill; the prefill replica's
-    # queue is cheaper.
+    # queue is cheaper (were it within the TTFT SLO).
     n, backed_up, held = 64_000, [queued(view("p0"), 12.0)], {"d0": 3000}
-    assert choose(backed_up, [view("d0", "decode", active=20)], held, n=n).prefill == "p0"
+    pol = PdservePolicy(LAX_TTFT)
+    assert choose(backed_up, [view("d0", "decode", active=20)], held, n=n, policy=pol).prefill == "p0"
     # Between two decode replicas holding the prefix, the idle one prefills it.
     decs = [view("d0", "decode", active=20), view("d1", "decode")]
-    d = choose(backed_up, decs, {"d0": 3000, "d1": 3000}, n=n)
+    d = choose(backed_up, decs, {"d0": 3000, "d1": 3000}, n=n, policy=pol)
     assert d.local_prefill and d.decode == "d1"
 
 
@@ -204,16 +241,17 @@ def test_cost_weights_change_the_tradeoff() -> None:
 
 
 def test_prefill_weight_trades_a_queue_against_a_miss() -> None:
-    # p0 holds all of a 64k prompt but has 6 s queued; p1 is idle and cold, and computing the prompt there
-    # takes ~5.4 s: the request's own latency says p1, a weight that charges the miss for the capacity it
-    # takes from later requests says p0.
+    # p0 holds all of a session's 64k context but has 6 s queued; p1 is idle and cold, and computing the
+    # prompt there takes ~5.4 s: the request's own latency says p1, a weight that charges the miss for the
+    # capacity it takes from later requests says p0.
     n = 64 * 1024
     pres = [queued(view("p0"), 6.0), view("p1")]
     hit = {"p0": n // BS - 1}
-    neutral = PdservePolicy(RouterConfig(prefill_weight=1.0))
-    assert choose(pres, [view("d0", "decode")], hit, n=n, policy=neutral).prefill == "p1"
-    heavy = PdservePolicy(RouterConfig(prefill_weight=3.0))
-    assert choose(pres, [view("d0", "decode")], hit, n=n, policy=heavy).prefill == "p0"
+    cfg = msgspec.structs.replace(LAX_TTFT, balance_weight=0.0, churn_weight=0.0)
+    neutral = msgspec.structs.replace(cfg, prefill_weight=1.0)
+    assert next_turn(pres, [view("d0", "decode")], hit, neutral, n).prefill == "p1"
+    heavy = msgspec.structs.replace(cfg, prefill_weight=3.0)
+    assert next_turn(pres, [view("d0", "decode")], hit, heavy, n).prefill == "p0"
 
 
 def test_ties_go_to_the_replica_with_the_least_recent_work() -> None:
@@ -244,13 +282,15 @@ def test_a_cost_difference_beyond_the_tolerance_beats_recent_work() -> None:
 
 
 def test_balance_term_charges_recent_work_above_the_pool_mean() -> None:
-    # p0 got a 128k-token cold prompt (~19 s); now p0 holds 1k tokens of a 4k prompt, a hit worth ~0.12
-    # weighted s. Without the balance term the hit wins; with it, p0's ~9 s above the mean costs ~0.9 s.
+    # p0 got a session's 128k-token cold prompt (~19 s); now p0 holds 1k tokens of the session's next 4k
+    # prompt, a hit worth ~0.12 weighted s. Without the balance term the hit wins; with it, p0's ~9 s above
+    # the mean costs ~0.9 s.
     pres = [view("p0"), view("p1")]
     for weight, expected in [(0.0, "p0"), (0.1, "p1")]:
         pol = PdservePolicy(RouterConfig(balance_weight=weight, churn_weight=0.0))
-        assert choose(pres, [view("d0", "decode")], n=128 * 1024, policy=pol).prefill == "p0"
-        assert choose(pres, [view("d0", "decode")], {"p0": 64}, policy=pol).prefill == expected, weight
+        assert choose(pres, [view("d0", "decode")], n=128 * 1024, session="s", policy=pol).prefill == "p0"
+        d = choose(pres, [view("d0", "decode")], {"p0": 64}, session="s", policy=pol)
+        assert d.prefill == expected, weight
     # A session's big cached context (64k tokens, ~26 weighted s) outweighs the imbalance: the balance moves
     # cheap work, not sessions whose move would recompute a long context.
     pol = PdservePolicy(RouterConfig(balance_weight=0.1, churn_weight=0.0))
@@ -261,12 +301,12 @@ def test_balance_term_charges_recent_work_above_the_pool_mean() -> None:
 def test_churn_term_charges_recent_tokens_computed_not_seconds() -> None:
     pres, dec = [view("p0"), view("p1")], [view("d0", "decode")]
     cfg = RouterConfig(balance_weight=0.0, churn_weight=0.5)
-    # p0 computed a cold 128k-token prompt: 128k tokens written into its cache. A 4k prompt whose 1k-token
-    # hit sits on p0 goes to p1; without the term it stays.
+    # p0 computed a session's cold 128k-token prompt: 128k tokens written into its cache. The session's
+    # next 4k prompt, whose 1k-token hit sits on p0, goes to p1; without the term it stays.
     for churn, expected in [(0.5, "p1"), (0.0, "p0")]:
         pol = PdservePolicy(msgspec.structs.replace(cfg, churn_weight=churn))
-        assert choose(pres, dec, n=128 * 1024, policy=pol).prefill == "p0"
-        assert choose(pres, dec, {"p0": 64}, policy=pol).prefill == expected, churn
+        assert choose(pres, dec, n=128 * 1024, session="s", policy=pol).prefill == "p0"
+        assert choose(pres, dec, {"p0": 64}, session="s", policy=pol).prefill == expected, churn
     # p0 instead computed 2k new tokens over a cached 126k-token context: many seconds, few tokens written.
     pol = PdservePolicy(cfg)
     n = 128 * 1024
@@ -278,7 +318,8 @@ def test_churn_term_charges_recent_tokens_computed_not_seconds() -> None:
 
 def test_the_pair_search_finds_the_optimum_of_every_option() -> None:
     # The selector's O(|P| + |D|) search == the best of every (P, D) pair and offered local prefill, with
-    # every feature on: pulls (readback and exports), balance and churn charges, overflow, both modes.
+    # every feature on: pulls (readback and exports), balance and churn charges, overflow, both modes, new
+    # prompts and sessions' next turns, waits past the TTFT SLO.
     rng = random.Random(7)
     n = 8192
     for _ in range(300):
@@ -287,8 +328,10 @@ def test_the_pair_search_finds_the_optimum_of_every_option() -> None:
             session_affinity=False,
             local_prefill_max_tokens=rng.choice([0, 512, 1024]),
             prefill_overflow_queue_s=rng.choice([None, 1.0]),  # queues are drawn from 0-2 s
+            ttft_slo_ms=rng.choice([5000.0, 800.0]),
         )
         pol = PdservePolicy(cfg)
+        session = rng.choice([None, "s"])
         pres = [
             queued(view(f"p{i}", node=f"n{rng.randrange(3)}"), rng.uniform(0, 2))
             for i in range(rng.randint(1, 5))
@@ -297,12 +340,14 @@ def test_the_pair_search_finds_the_optimum_of_every_option() -> None:
             view(f"d{i}", "decode", active=rng.randrange(30), kv=rng.random(), node=f"n{rng.randrange(3)}")
             for i in range(rng.randint(1, 5))
         ]
+        if session is not None:  # the session's previous turn: this one continues it
+            pol.choose(request(n, session), pres, decs, FixedLookup())
         for p in pres:  # earlier work, so that the balance and churn charges differ
             pol.recent.add(p.replica_id, rng.uniform(0, 3))
             pol.recent_tokens.add(p.replica_id, rng.uniform(0, 3))
         blocks = {r.replica_id: rng.choice([0, 100, 300, 511, 512]) for r in (*pres, *decs)}
         req = msgspec.structs.replace(
-            request(n),
+            request(n, session),
             readback=Readback(rng.choice(decs).replica_id, rng.choice([0, 4000, 8000]), rng.uniform(0, 3))
             if rng.random() < 0.5
             else None,
@@ -311,7 +356,8 @@ def test_the_pair_search_finds_the_optimum_of_every_option() -> None:
         matched = FixedLookup(blocks).matched_blocks(req.block_hashes, blocks)
         prompt = Prompt(tokens=n, max_tokens=req.max_tokens, block_size=BS, matched=matched)
         balance = Balance(pol.recent, pol.recent_tokens, cfg.balance_weight, cfg.churn_weight)
-        scorer = Scorer(pol.weights, prompt, offer(req, decs, decs, matched, prompt.most))
+        pull = offer(req, decs, decs, matched, prompt.most)
+        scorer = Scorer(pol.weights, prompt, pull, continuing=session is not None)
         every = every_option(cfg, scorer, pres, decs, balance)
         assert all(o.total == o.terms.total for o in every)  # the search's totals are the formula's
         got = pol.choose(req, pres, decs, FixedLookup(blocks))
@@ -444,7 +490,7 @@ def test_an_export_is_only_counted_on_when_the_prefill_starts_before_it_expires(
     pres = [queued(view("p0"), 30.0)]
     decs = [view("d0", "decode")]
     lookup = FixedLookup({"d0": 3000})
-    pol = PdservePolicy(RouterConfig(prefill_overflow_queue_s=None))  # p0's queue would overflow
+    pol = PdservePolicy(msgspec.structs.replace(LAX_TTFT, prefill_overflow_queue_s=None))  # would overflow
     assert pol.choose(export_request(60.0, n=64_000), pres, decs, lookup).readback_tokens > 0
     late = pol.choose(export_request(20.0, n=64_000), pres, decs, lookup)
     assert late.readback_tokens == 0 and not late.readback_export
