@@ -35,8 +35,9 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # With every prefill replica this many estimated seconds behind, a decode replica's long prefill is
     # charged as a short one's (decode absorbs prefill overflow); null: never.
     prefill_overflow_queue_s: NonNegativeFloat | None = 10.0
-    # A cache miss is charged prefill_weight x its own prefill seconds (higher: more hits, less balance).
-    # Replay your traffic to choose it (`pdserve replay --topology FILE`).
+    # A cache miss is charged prefill_weight x its own prefill seconds (higher: more hits, less balance);
+    # a new prompt's seconds recomputing a prefix another prefill replica holds, COPY_WEIGHT x
+    # (router/policy/cost.py). Replay your traffic to choose it (`pdserve replay --topology FILE`).
     prefill_weight: NonNegativeFloat = 5.0
     # The decode replicas' inter-token latency SLO: a prefill on a decode replica whose mixed steps (chunked
     # prefill) would be slower than this for its running sequences is charged OVER_SLO_WEIGHT x the delay it
