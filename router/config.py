@@ -43,8 +43,8 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # prefill) would be slower than this for its running sequences is charged OVER_SLO_WEIGHT x the delay it
     # adds to each of them (router/policy/cost.py); within it, the delay itself.
     tpot_slo_ms: PositiveFloat = 50.0
-    # The time-to-first-token SLO: a prefill whose wait plus its own seconds pass it is charged
-    # OVER_SLO_WEIGHT x the excess; within it, the wait itself. The replay's goodput counts against both SLOs.
+    # The time-to-first-token SLO: a wait for a prefill replica that takes the first token past it is charged
+    # OVER_SLO_WEIGHT x the excess on top of the wait itself. The replay's goodput counts against both SLOs.
     ttft_slo_ms: PositiveFloat = 5000.0
     # Prefill balance: charges for recent compute seconds and for recent tokens computed (cache churn)
     # above the prefill pool's mean.

@@ -67,7 +67,7 @@ class CostWeights(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     timing: ServiceTimeModel
     prefill: NonNegative  # router.prefill_weight
     tpot_slo_s: NonNegative  # router.tpot_slo_ms / 1000
-    ttft_slo_s: NonNegative = 5.0  # router.ttft_slo_ms / 1000
+    ttft_slo_s: NonNegative  # router.ttft_slo_ms / 1000
     copy: NonNegative = COPY_WEIGHT
     queue: NonNegative = 1.0
     transfer: NonNegative = 1.0
