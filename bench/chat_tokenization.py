@@ -1,4 +1,5 @@
-"""Tokenizing an agent's next turn: the whole conversation again vs incrementally (router.chat_encoder).
+"""Tokenizing an agent's next turn: the whole conversation again vs incrementally
+(router/intake/chat_encoder.py).
 
 A session grows turn by turn (an assistant tool call, a tool result of `--turn-tokens`-ish tokens) up to each
 `--context-tokens`; at that size the next turn is tokenized both ways, on the built-in model's tokenizer and
@@ -19,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from engine.tiny_model import ensure_tiny_model
-from router.chat_encoder import SessionChatEncoder
-from router.tokenizer import PromptTokenizer
+from router.intake.chat_encoder import SessionChatEncoder
+from router.intake.tokenizer import PromptTokenizer
 
 WORDS = [
     "the", "file", "build", "error", "test", "src", "def", "return", "import", "class", "self", "value",

@@ -30,7 +30,7 @@ import yaml
 
 from bench.live.systems import topology
 from cluster.bootstrap import APP_NAME, RunState
-from router.client import Completion, PdserveClient
+from pdserve_client.sdk import Completion, PdserveClient
 
 REPO = Path(__file__).resolve().parents[1]
 STREAMS = 8

@@ -76,7 +76,7 @@ def prompts(tokenizer_dir: Path) -> list[list[int]]:
 
 
 def run_pd(topo_file: Path, target: str, requests: list[list[int]]) -> dict[str, Any]:
-    from router.client import PdserveClient
+    from pdserve_client.sdk import PdserveClient
 
     pdserve = str(Path(sys.executable).with_name("pdserve"))
     up = subprocess.Popen(

@@ -6,16 +6,16 @@ BlockStored-style calls (so the index is hashed exactly as in production); half 
 decode. Cases: a session's first turn (a new prompt sharing half of an indexed prompt: full hash of the
 prompt) and its next turn (the previous prompt plus `--turn-tokens` new tokens: only the new blocks are
 hashed). As in a live agent loop, the next turn's token ids come as the router's incremental chat encoder
-gives them, or `router.token_sessions` for a client sending ids (`--next-turn-ids`: both copy the previous
-turn's ids and say so, `PromptReuse`), and the index has learned where the first turn's blocks were stored
-(the engines' KV events) before it arrives (`--static-index` turns that off). Prints p50/p99 in microseconds
-per case, wall clock and this thread's CPU time (on a shared machine the wall-clock tail is dominated by the
-OS preempting the process; CPU time is the decision's own cost), the index's memory per block, and the CPU of
-`SessionHasher.seal`, which the live router runs when a turn finishes (off the decision's path) so that the
-next turn's prefix check is one tuple hash. `--readback`: KV readback on (`pools.kv_readback_ttl_s`): the
-first turn's decode replica pins its KV, and the next turn's decision includes finding what of its prompt the
-pin holds (`router.readback.ReadbackTable.offer`), and with exports (on with readback) every decode replica's
-cached prefix is a source a prefill replica could pull.
+gives them, or router/intake/token_sessions.py for a client sending ids (`--next-turn-ids`: both copy the
+previous turn's ids and say so, `PromptReuse`), and the index has learned where the first turn's blocks were
+stored (the engines' KV events) before it arrives (`--static-index` turns that off). Prints p50/p99 in
+microseconds per case, wall clock and this thread's CPU time (on a shared machine the wall-clock tail is
+dominated by the OS preempting the process; CPU time is the decision's own cost), the index's memory per
+block, and the CPU of `SessionHasher.seal`, which the live router runs when a turn finishes (off the
+decision's path) so that the next turn's prefix check is one tuple hash. `--readback`: KV readback on
+(`pools.kv_readback_ttl_s`): the first turn's decode replica pins its KV, and the next turn's decision
+includes finding what of its prompt the pin holds (`ReadbackTable.offer`), and with exports (on with readback)
+every decode replica's cached prefix is a source a prefill replica could pull.
 
     .venv/bin/python -m bench.routing_decision [--replicas 8 32 128] [--prompt-tokens 8192 131072]
 """
@@ -29,14 +29,14 @@ import time
 
 import numpy as np
 
-from router.block_hash import PromptReuse, SessionHasher
+from router.block_hash import SessionHasher
 from router.config import RouterConfig
-from router.kv_index import KvIndex
-from router.load import LoadTracker
+from router.decision.readback import ReadbackTable
+from router.messages import PromptReuse, RouteRequest
 from router.policy.selector import PdservePolicy
-from router.policy.types import RouteRequest
-from router.readback import ReadbackTable
 from router.sessions import Sessions
+from router.view.kv_index import KvIndex
+from router.view.load import LoadTracker
 
 
 def _rss_bytes() -> int:
@@ -138,7 +138,7 @@ def run_case(
                 for replica in {d.decode, d.prefill or d.decode}:
                     index.apply_stored(replica, range(next_engine_hash, next_engine_hash + full), None, toks)
                     next_engine_hash += full
-            # What the live router does when the turn finishes (RequestRouter.finish): not the decision's
+            # What the live router does when the turn finishes (Decider.finish): not the decision's
             # cost, but CPU the router spends per turn, so it is reported beside it.
             c0 = time.thread_time()
             hasher.seal(sid)

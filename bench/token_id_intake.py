@@ -1,5 +1,5 @@
 """Taking in a token-id session's next turn: converting all its ids vs reusing the previous turn's
-(router.token_sessions).
+(router.intake.token_sessions).
 
 For each `--context-tokens`, a session's previous turn of that many ids and a next turn that appends
 `--turn-tokens` ids are serialized as the client sends them; the server's work on the next turn is timed both
@@ -17,9 +17,9 @@ import random
 import statistics
 import time
 
-from router.api import pdserve_pb2 as pb
-from router.token_sessions import SessionTokenIds
-from router.validation import ModelLimits, validate_generate
+from pdserve_client.api import pdserve_pb2 as pb
+from router.intake.token_sessions import SessionTokenIds
+from router.intake.validation import ModelLimits, validate_generate
 
 LIMITS = ModelLimits(served_name="m", max_model_len=1 << 20, vocab_size=150_000)
 

@@ -6,7 +6,7 @@
    deployment (scale, roll one replica at a time, update in place).
 3. Refuse changes only a restart of pdserve can make: the fields the topology marks `RESTART` (the model,
    the endpoint, Ray), and a prefill pool appearing or disappearing. The router follows its `router`
-   section in place (router/app.py), Serve reconciles the pools.
+   section in place (router/process.py), Serve reconciles the pools.
 4. Deploy the compiled Serve config (the same path as `pdserve up`) and wait, within
    `ray.placement_timeout_s`, until the application runs the new config; then until replicas being removed
    have drained. Placement problems are reported with cluster/placement.py's reasons; nothing hangs.

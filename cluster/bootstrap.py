@@ -26,7 +26,7 @@ from cluster.ray_auth import use_loopback_ray, use_ray_token_auth
 from cluster.topology import Topology, served_model
 
 if TYPE_CHECKING:
-    from router.app import RouterProcess
+    from router.process import RouterProcess
 
 APP_NAME = "pdserve"
 
@@ -161,7 +161,7 @@ def remove_leaked_shm(since: float, shm_dir: Path = Path("/dev/shm")) -> list[st
 
 def router_process(topo: Topology, model_dir: Path, app_name: str) -> RouterProcess:
     """The router of a deployed application (its Serve handles exist once the application runs)."""
-    from router.app import RouterProcess  # loads the tokenizer stack: only in the process that routes
+    from router.process import RouterProcess  # loads the tokenizer stack: only in the process that routes
 
     return RouterProcess(
         served_model(topo.model),

@@ -205,7 +205,7 @@ def _up(args: argparse.Namespace) -> int:
     from cluster.ray_auth import RayAuthError, ensure_ray_token, token_path, use_ray_token_auth
     from cluster.serve_config import compile_serve_config
     from engine.model_source import resolve_model_dir
-    from router.server import ListenError
+    from router.doors.listen import ListenError
 
     topo = _load(args.file)
     existing = RunState.load()
@@ -281,7 +281,7 @@ def _up(args: argparse.Namespace) -> int:
 def _check_endpoints(topo: Topology) -> None:
     """The ports `pdserve up` will listen on, checked before Ray and the engines start rather than after
     (minutes, on a large model). The router checks its own again when it binds: one can be taken between."""
-    from router.server import ListenError, check_listen
+    from router.doors.listen import ListenError, check_listen
 
     try:
         check_listen("server.grpc_port", topo.server.grpc_host, topo.server.grpc_port)
@@ -382,7 +382,7 @@ def _target(explicit: str | None) -> str:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from router.client import PdserveClient, PdserveError
+    from pdserve_client.sdk import PdserveClient, PdserveError
 
     client = PdserveClient(_target(args.target))
     kwargs: dict[str, Any] = {"max_tokens": args.max_tokens, "temperature": args.temperature}

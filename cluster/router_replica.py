@@ -1,4 +1,4 @@
-"""pdserve's front end as a Serve deployment: the router (router/app.py) inside a replica on the Ray head.
+"""pdserve's front end as a Serve deployment: the router (router/process.py) inside a replica on the Ray head.
 
 `pdserve up` runs the router in its own foreground process. A cluster that nobody runs `pdserve up` on (a
 KubeRay RayService, `serve deploy` of `pdserve export` on a `ray start` cluster) gets it from this
@@ -7,7 +7,7 @@ topology (read from the registry, which holds the deployed one), only the host d
 - the replica runs on the head node (Ray's `node:__internal_head__` resource), where the head's Service or
   port publishes server.grpc_port, and where the TLS files and the token's environment variable are;
 - Serve's health check asks whether the endpoint is still serving, so Serve replaces a router whose server
-  stopped; on shutdown the server drains its streams (router/app.py's grace) before the replica exits.
+  stopped; on shutdown the server drains its streams (router/process.py's grace) before the replica exits.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from cluster.router_replica import router_deployment_config
 from cluster.serve_app import app_args, engine_spec
 from cluster.topology import NodeGroup, Pool, Topology, TopologyError
 from engine.spec import EngineSpec, spec_env
-from router.serve_request_router import IMPORT_PATH as HINT_ROUTER_IMPORT_PATH
+from router.legs.replica_hint import IMPORT_PATH as HINT_ROUTER_IMPORT_PATH
 
 IMPORT_PATH = "cluster.serve_app:build_app"
 RAY_VERSION = "2.60.0"

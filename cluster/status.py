@@ -210,7 +210,7 @@ def registry_through_router(
     from ray.dashboard.modules.serve.sdk import ServeSubmissionClient
 
     from cluster.serve_config import running_topology
-    from router.client import PdserveClient, PdserveError
+    from pdserve_client.sdk import PdserveClient, PdserveError
 
     details = ServeSubmissionClient(dashboard_url).get_serve_details()
     app = (details.get("applications") or {}).get(app_name) or {}

@@ -200,9 +200,9 @@ def _local_pools() -> Pools:
 class Pools(_Config, frozen=True, kw_only=True):
     prefill: Pool = msgspec.field(default_factory=Pool)  # replicas: 0 = no disaggregation
     decode: Pool = msgspec.field(default_factory=Pool)
-    # KV readback (router/readback.py): decode engines keep each finished turn's KV pinned this long so the
-    # session's next prefill pulls it instead of computing it; 0 = off. An engine setting (vLLM's KV
-    # transfer config): changing it rolls both pools.
+    # KV readback (router/decision/readback.py): decode engines keep each finished turn's KV pinned this
+    # long so the session's next prefill pulls it instead of computing it; 0 = off. An engine setting
+    # (vLLM's KV transfer config): changing it rolls both pools.
     kv_readback_ttl_s: NonNegativeInt = 0
 
     def items(self) -> list[tuple[str, Pool]]:

@@ -96,7 +96,7 @@ def _check_model(topo: Topology) -> None:
 
 def _check_parsers(model: Model) -> None:
     """Parser names against vLLM's registries (importing vLLM takes seconds: only when one is set)."""
-    from router.output_parser import reasoning_parser_names, tool_parser_names
+    from router.intake.output_parser import reasoning_parser_names, tool_parser_names
 
     for field, name, known in (
         ("tool_call_parser", model.tool_call_parser, tool_parser_names),

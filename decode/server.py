@@ -16,7 +16,7 @@ class DecodeServer(EngineReplica):
     HOST = DecodeEngine
     host: DecodeEngine | DoubleEngineHost
 
-    # replica_hint: the router's choice, read by its Serve request router (router/serve_request_router.py).
+    # replica_hint: the router's choice, read by its Serve request router (router/legs/replica_hint.py).
     # replica_avoid: failed replicas the Serve request router must not choose (read there, unused here).
     async def generate(
         self, req: EngineRequest, replica_hint: str | None = None, replica_avoid: tuple[str, ...] = ()
@@ -36,7 +36,7 @@ class DecodeServer(EngineReplica):
     async def export(
         self, req: EngineRequest, replica_hint: str | None = None, replica_avoid: tuple[str, ...] = ()
     ) -> dict[str, Any] | None:
-        """KV export: pin a prefix this replica holds for a prefill replica to pull (router/readback.py).
+        """KV export: pin a prefix this replica holds for a prefill replica to pull (router/decision/).
         Only on the replica the router chose: Serve spills a hinted call to another replica when the hinted
         one is busy, and that one would compute the whole prefix, stalling its decodes for nothing."""
         if replica_hint != self.host.replica_id:

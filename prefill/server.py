@@ -12,7 +12,7 @@ class PrefillServer(EngineReplica):
     HOST = PrefillEngine
     host: PrefillEngine | DoubleEngineHost
 
-    # replica_hint: the router's choice, read by its Serve request router (router/serve_request_router.py).
+    # replica_hint: the router's choice, read by its Serve request router (router/legs/replica_hint.py).
     async def prefill(
         self, req: EngineRequest, replica_hint: str | None = None, replica_avoid: tuple[str, ...] = ()
     ) -> PrefillResult:

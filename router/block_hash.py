@@ -21,8 +21,8 @@ own prefix cache decides what is reused), so that is an accepted risk.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
 
+from router.messages import PromptReuse
 from router.sessions import Part, Sessions
 
 # Fixed parent of every chain's first block (any constant works; this one is "pdserve" in ASCII).
@@ -44,14 +44,6 @@ def hash_blocks(token_ids: Sequence[int], block_size: int, parent: int | None = 
         h = hash((h, *token_ids[start : start + block_size]))
         append(h)
     return out
-
-
-class PromptReuse(NamedTuple):
-    """A prompt's provenance from whoever built it: its first `tokens` ids are `base`'s first `tokens` (copied
-    from that very list, e.g. by the incremental chat encoder), so nothing before them needs comparing."""
-
-    base: list[int]
-    tokens: int
 
 
 def _shares_int_objects(a: list[int], b: list[int]) -> bool:

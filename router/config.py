@@ -2,7 +2,7 @@
 router and by the trace replay (`pdserve replay --topology FILE`).
 
 Every field applies to a running router in place (`pdserve apply`: the router follows the deployed topology,
-`router.app.RouterProcess.reconfigure`); none restarts an engine. What each routing setting does is in
+`router.process.RouterProcess.reconfigure`); none restarts an engine. What each routing setting does is in
 docs/routing.md, with the replay measurements its default came from.
 """
 
@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from router.policy.service_time import ServiceTime
+from router.service_time import ServiceTime
 
 NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
@@ -71,7 +71,7 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
 class LiveConfig:
     """The router's settings as the running router reads them: `current` is replaced when the deployed
-    topology changes (`pdserve apply`, router/app.py), and every part reads the setting it needs from it
+    topology changes (`pdserve apply`, router/process.py), and every part reads the setting it needs from it
     when it needs it, so a change reaches the next request. A new setting is a field above, the line that
     reads it, and its test."""
 
@@ -89,7 +89,8 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
     grpc_host: str = "127.0.0.1"
     grpc_port: Port = 50051
-    # The OpenAI-compatible HTTP door (router/openai_http.py): off unless a port is set. Same TLS and token.
+    # The OpenAI-compatible HTTP door (router/doors/openai_http.py): off unless a port is set. Same TLS
+    # and token.
     http_host: str = "127.0.0.1"
     http_port: Port | None = None
     metrics_host: str = "127.0.0.1"

@@ -8,18 +8,24 @@ router believes and what the engine did is visible.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Protocol
 
 import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from engine.messages import ReplicaInfo
-from router.load import LoadTracker
-from router.policy.types import Terms
+from engine.messages import ReplicaInfo, Role
+from router.messages import Terms
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+
+
+class Queues(Protocol):
+    """The router's per-replica prefill queues (`router.view.load.LoadTracker` is one)."""
+
+    def queues(self) -> list[tuple[str, Role, int, int]]: ...
 
 
 class RouterMetrics:
@@ -115,7 +121,7 @@ class RouterMetrics:
             "pdserve_routing_cost_term_seconds",
             "The chosen option's routing cost by term (weighted seconds, router/policy/cost.py): 'prefill', "
             "'queue', 'pull', 'balance', 'churn', 'decode', 'transfer', 'stall'. Which terms decide where "
-            "requests go; the per-request breakdown is logged at DEBUG (router.routing).",
+            "requests go; the per-request breakdown is logged at DEBUG (router.decision.decider).",
             ["term"],
             buckets=(0.001, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 60.0, 600.0),
             registry=r,
@@ -168,7 +174,7 @@ class RouterMetrics:
         self.chat_tokens.labels(source="reused").inc(reused)
         self.chat_tokens.labels(source="encoded").inc(encoded)
 
-    def watch(self, model: str, replicas: Callable[[], dict[str, ReplicaInfo]], load: LoadTracker) -> None:
+    def watch(self, model: str, replicas: Callable[[], dict[str, ReplicaInfo]], load: Queues) -> None:
         """Also export every engine replica's own statistics (as its registry entry last carried them) and
         the router's queue, read at each scrape."""
         self.registry.register(_ClusterCollector(model, replicas, load))
@@ -226,7 +232,7 @@ _GPU_GAUGES = (
 class _ClusterCollector(Collector):
     """Reads the router's cluster view at scrape time (from the metrics server's thread: it only reads)."""
 
-    def __init__(self, model: str, replicas: Callable[[], dict[str, ReplicaInfo]], load: LoadTracker) -> None:
+    def __init__(self, model: str, replicas: Callable[[], dict[str, ReplicaInfo]], load: Queues) -> None:
         self._model = model
         self._replicas = replicas
         self._load = load

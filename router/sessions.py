@@ -1,9 +1,10 @@
 """Everything the router keeps about a session between its turns, in one place with one bound.
 
 Each part of the router that remembers a session declares a `Part` (its slot and how many tokens a value
-holds) and keeps its value here: the chat encoder its rendered turn (`router.chat_encoder`), the token-id
-intake its ids (`router.token_sessions`), the block hasher its hashed prompt (`router.block_hash`), KV
-readback the turn's pin (`router.readback`), the routing policy its placement (`router.policy.selector`). A
+holds) and keeps its value here: the chat encoder its rendered turn (router/intake/chat_encoder.py), the
+token-id intake its ids (router/intake/token_sessions.py), the block hasher its hashed prompt
+(router/block_hash.py), KV readback the turn's pin (router/decision/readback.py), the routing policy its
+placement (router/policy/selector.py). A
 session is one entry: used by any part, it becomes the most recent; past `router.max_sessions` sessions or
 `router.max_session_tokens` tokens held (all parts, all sessions), the least recently used session goes
 whole, so no part keeps a session another has dropped.

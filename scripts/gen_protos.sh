@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# Generates the Python gRPC stubs for pdserve's public API (proto/pdserve/v1/pdserve.proto) into router/api/.
-#   scripts/gen_protos.sh           regenerate router/api/pdserve_pb2{.py,.pyi,_grpc.py}
-#   scripts/gen_protos.sh --check   regenerate into a temp dir; exit 1 if router/api is stale
+# Generates the Python gRPC stubs for pdserve's public API (proto/pdserve/v1/pdserve.proto) into pdserve_client/api/.
+#   scripts/gen_protos.sh           regenerate pdserve_client/api/pdserve_pb2{.py,.pyi,_grpc.py}
+#   scripts/gen_protos.sh --check   regenerate into a temp dir; exit 1 if pdserve_client/api is stale
 # The stubs are committed so that importing router needs no code generation at run time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON="${PYTHON:-.venv/bin/python}"
 PROTO_DIR="proto/pdserve/v1"
-OUT_DIR="router/api"
+OUT_DIR="pdserve_client/api"
 GENERATED=(pdserve_pb2.py pdserve_pb2.pyi pdserve_pb2_grpc.py)
 
 generate() {
@@ -16,8 +16,8 @@ generate() {
   "$PYTHON" -m grpc_tools.protoc -I "$PROTO_DIR" \
     --python_out="$out" --pyi_out="$out" --grpc_python_out="$out" \
     "$PROTO_DIR/pdserve.proto"
-  # protoc writes `import pdserve_pb2 as ...`, which only works with router/api on sys.path;
-  # a relative import makes `from router.api import pdserve_pb2_grpc` work.
+  # protoc writes `import pdserve_pb2 as ...`, which only works with pdserve_client/api on sys.path;
+  # a relative import makes `from pdserve_client.api import pdserve_pb2_grpc` work.
   sed -i 's/^import pdserve_pb2 as /from . import pdserve_pb2 as /' "$out/pdserve_pb2_grpc.py"
 }
 

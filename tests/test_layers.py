@@ -6,6 +6,9 @@ small enough to read top to bottom.
     router   the request path in front of the engines
     prefill, decode   the two engine roles: their protocol on top of the engine host (engine/host.py)
     engine   one vLLM engine on a replica, and the messages every process shares
+    pdserve_client    the public gRPC API's stubs and the SDK agent backends import: nothing of pdserve
+
+Inside router/, the stages import one way too, in request-path order (ROUTER_STAGES; router/README.md).
 
 A lower layer never imports a higher one (lazy imports inside functions count too): the production CLI does
 not depend on the benchmarks (they add `pdserve replay` through an entry point), the router runs without the
@@ -20,27 +23,41 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("engine", "prefill", "decode", "router", "cluster", "bench")
+PACKAGES = ("pdserve_client", "engine", "prefill", "decode", "router", "cluster", "bench")
 # What each package may import, besides itself.
 ALLOWED = {
+    "pdserve_client": set(),
     "engine": set(),
     "prefill": {"engine"},
     "decode": {"engine"},
-    "router": {"engine"},
-    "cluster": {"engine", "prefill", "decode", "router"},
-    "bench": {"engine", "prefill", "decode", "router", "cluster"},
+    "router": {"engine", "pdserve_client"},
+    "cluster": {"pdserve_client", "engine", "prefill", "decode", "router"},
+    "bench": {"pdserve_client", "engine", "prefill", "decode", "router", "cluster"},
 }
-GENERATED = {"router/api/pdserve_pb2.py", "router/api/pdserve_pb2_grpc.py"}
+# router/'s stages, lowest first: each imports only from stages before it (and itself). A stage is a folder
+# or a module of router/.
+ROUTER_STAGES = (
+    # what every stage shares: settings, messages, errors, per-session state, block hashes, service times,
+    # metrics
+    ("config", "messages", "errors", "service_time", "sessions", "block_hash", "metrics"),
+    ("intake",),  # validation, tokenization, chat and token-id sessions, output parsing
+    ("policy",),  # the routing cost and choice, shared with the replay
+    ("view",),  # the cluster picture: registry, KV events and index, load
+    ("decision",),  # admission, hashing, readback: a Route per request
+    ("request",),  # one lifecycle object per request
+    ("legs",),  # the calls to prefill and decode, failover
+    ("generate",),  # the request path in order
+    ("doors",),  # gRPC and OpenAI HTTP
+    ("process",),  # builds and serves it all
+)
+GENERATED = {"pdserve_client/api/pdserve_pb2.py", "pdserve_client/api/pdserve_pb2_grpc.py"}
 MAX_LINES = 400
 # Modules above MAX_LINES, each with why it is one module.
 LONG_MODULES = {
     "cluster/topology_checks.py": "every check a topology passes before start-up, one function per concern",
-    "router/openai_http.py": "the OpenAI HTTP surface: each endpoint's request translation and responses",
     "bench/replay/sim.py": "the replay's event loop: one simulator whose handlers share its state",
-    "router/server.py": "the gRPC service: each RPC's validation, streaming and terminal status",
-    "router/client.py": "the gRPC client library: every call and its request/response mapping",
+    "pdserve_client/sdk.py": "the gRPC client library: every call and its request/response mapping",
     "engine/tiny_model.py": "the built-in model, built offline: config, weights and tokenizer in one place",
-    "router/orchestrator.py": "one request's legs (prefill, export, decode), failover and KV release",
     "cluster/cli.py": "the `pdserve` commands: one parser, one function per command",
 }
 
@@ -79,6 +96,24 @@ def test_no_package_imports_a_layer_above_it(package: str) -> None:
         if name.split(".")[0] == package
         for dep in deps
         if dep.split(".")[0] not in ALLOWED[package] | {package}
+    )
+    assert not wrong, "\n".join(wrong)
+
+
+def _stage(module: str) -> int:
+    part = module.split(".")[1]
+    return next(i for i, names in enumerate(ROUTER_STAGES) if part in names)
+
+
+def test_router_stages_import_in_request_path_order() -> None:
+    inside = {n for n in MODULES if n.startswith("router.") and not n.startswith("router.api")}
+    unplaced = sorted(n for n in inside if not any(n.split(".")[1] in s for s in ROUTER_STAGES))
+    assert not unplaced, f"modules of router/ in no stage of ROUTER_STAGES: {unplaced}"
+    wrong = sorted(
+        f"{name} imports {dep}"
+        for name in inside
+        for dep in GRAPH[name]
+        if dep in inside and _stage(dep) > _stage(name)
     )
     assert not wrong, "\n".join(wrong)
 

@@ -18,8 +18,8 @@ import aiohttp
 
 from bench.live.runner import Timed
 from bench.live.workload import Request
-from router.api import pdserve_pb2 as pb
-from router.client import AsyncPdserveClient, PdserveError
+from pdserve_client.api import pdserve_pb2 as pb
+from pdserve_client.sdk import AsyncPdserveClient, PdserveError
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ ZMQ."""
 from __future__ import annotations
 
 from bench.replay.traces import Trace
-from router.kv_index import KvIndex
+from router.view.kv_index import KvIndex
 
 _ENGINE_SALT = 0x5EED_5EED_5EED_5EED
 

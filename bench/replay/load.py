@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from bench.replay.traces import Trace
-from router.policy.service_time import ServiceTimeModel
+from router.service_time import ServiceTimeModel
 
 # Decode batch assumed when estimating a session's reply time (refined by pilots anyway).
 _NOMINAL_DECODE_BATCH = 16

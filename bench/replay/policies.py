@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from router.config import RouterConfig
-from router.policy.baselines import (
+from bench.replay.baselines import (
     LAUNCHER_DEFAULTS,
     RUST_DEFAULTS,
     DynamoConditionalPolicy,
@@ -14,9 +13,10 @@ from router.policy.baselines import (
     RoundRobinPolicy,
     SGLangCacheAwarePolicy,
 )
+from router.config import RouterConfig
 from router.policy.selector import PdservePolicy
-from router.policy.service_time import ServiceTimeModel
 from router.policy.types import Policy
+from router.service_time import ServiceTimeModel
 
 # Builds a fresh policy for one run (policies keep per-session state) given the replay's service-time model:
 # pdserve's cost estimates with the very model the simulated engines are timed by.

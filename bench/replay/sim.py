@@ -7,7 +7,7 @@ router's index, so the policy under test sees what it would see live (minus even
 replica, the blocks of running sequences are allocated (pinned) until they finish. Per request:
 
 1. Arrival: the policy gets a `ReplicaView` per replica from the live router's load accounting
-   (`router.load.LoadTracker`, told of dispatches, prefill completions and finishes as the router would be,
+   (`router.view.load.LoadTracker`, told of dispatches, prefill completions and finishes as the router is,
    and of decode KV usage as an engine's statistics would report it), and decides.
 2. Prefill, on the chosen prefill replica (FIFO queue, one prompt at a time; prefill is compute-bound, so
    batching prompts would not raise throughput) or, for a local prefill, on the decode replica itself. The
@@ -57,9 +57,10 @@ import msgspec
 
 from bench.replay.cache import CacheEvents, LruBlockCache
 from bench.replay.traces import Session, Trace, TraceRequest
-from router.load import LoadTracker
-from router.policy.service_time import ServiceTimeModel
-from router.policy.types import Decision, Policy, PrefixLookup, Readback, ReplicaView, RouteRequest
+from router.messages import Decision, Readback, ReplicaView, RouteRequest
+from router.policy.types import Policy, PrefixLookup
+from router.service_time import ServiceTimeModel
+from router.view.load import LoadTracker
 
 
 class SimConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -209,7 +210,7 @@ class Simulator:
         index_factory: Callable[[], tuple[CacheEvents, PrefixLookup]],
     ) -> None:
         """`index_factory` builds the router-side index: the sink the caches' events go to and the lookup the
-        policy queries (normally one object, router.kv_index.KvIndex behind an adapter)."""
+        policy queries (normally one object, router.view.kv_index.KvIndex behind an adapter)."""
         self.trace = trace
         self.policy = policy
         self.cfg = config
@@ -326,7 +327,7 @@ class Simulator:
 
     # -- routing -----------------------------------------------------------------------------------------
     def views(self) -> tuple[list[ReplicaView], list[ReplicaView]]:
-        """What the router sees: its own dispatch accounting (`router.load.LoadTracker`, the live router's
+        """What the router sees: its own dispatch accounting (`LoadTracker`, the live router's
         code) plus the decode replicas' KV usage as their engines would report it."""
         return self.load.views("prefill"), self.load.views("decode")
 

@@ -15,7 +15,7 @@ C is the replica that computes the prompt: a prefill replica (disaggregated) or 
 (local prefill: no transfer, and its batch waits). This module holds the terms; `router.policy.options`
 enumerates the options and adds each one's terms up (`Option.terms`, `Terms.total`), `router.policy.selector`
 picks. Every time
-comes from `router.policy.service_time.ServiceTimeModel`, the model the trace replay charges, so a cached
+comes from `router.service_time.ServiceTimeModel`, the model the trace replay charges, so a cached
 token is worth what it saves (a hit on a long context saves attention over all of it). `out` is the request's
 `max_tokens` capped at `max_output_tokens` (clients often send a large ceiling).
 
@@ -48,8 +48,8 @@ from typing import Annotated
 import msgspec
 
 from router.config import RouterConfig
-from router.policy.service_time import ServiceTimeModel
-from router.policy.types import ReplicaView
+from router.messages import ReplicaView
+from router.service_time import ServiceTimeModel
 
 NonNegative = Annotated[float, msgspec.Meta(ge=0)]
 

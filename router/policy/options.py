@@ -28,6 +28,7 @@ from typing import Literal, NamedTuple, overload
 import msgspec
 
 from router.config import RouterConfig
+from router.messages import ReplicaView, Terms
 from router.policy.cost import (
     CostWeights,
     breaks_slo,
@@ -41,7 +42,6 @@ from router.policy.cost import (
 )
 from router.policy.pull import Pull, pull_term, starts_from
 from router.policy.recent_work import TIE_TOLERANCE_S, RecentWork, pick
-from router.policy.types import ReplicaView, Terms
 
 Kind = Literal[
     "disaggregated", "local_prefill", "long_local_prefill", "prefill_overflow", "no_prefill_replica"

@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
+from router.messages import ReplicaView, RouteRequest
 from router.policy.cost import CostWeights, queued_prefill_s, same_node, transfer_term
-from router.policy.types import ReplicaView, RouteRequest
 
 
 class Pull(NamedTuple):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from router.policy.types import ReplicaView
+from router.messages import ReplicaView
 
 HALF_LIFE_DECISIONS = 2000.0
 # Costs closer than this are equivalent: the estimate is not more precise, and the replica given the least

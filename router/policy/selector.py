@@ -19,19 +19,14 @@ from collections.abc import Sequence
 from typing import cast
 
 from router.config import RouterConfig
+from router.errors import NoReplicaError
+from router.messages import Decision, ReplicaView, RouteRequest
 from router.policy.cost import CostWeights
 from router.policy.options import Balance, Option, Prompt, Scorer, candidate_options
 from router.policy.pull import offer
 from router.policy.recent_work import RecentWork, pick
-from router.policy.service_time import ServiceTimeModel
-from router.policy.types import (
-    Decision,
-    MemoPrefixLookup,
-    NoReplicaError,
-    PrefixLookup,
-    ReplicaView,
-    RouteRequest,
-)
+from router.policy.types import MemoPrefixLookup, PrefixLookup
+from router.service_time import ServiceTimeModel
 from router.sessions import Part, Sessions
 
 # A session's decode replica is overloaded (the session is re-placed by cost) at this KV usage, or with more

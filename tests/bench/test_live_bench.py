@@ -1,6 +1,6 @@
 """`pdserve bench` against a live endpoint (gRPC, or OpenAI HTTP): the workload it sends, the arrival
 processes, every mode, and the report (percentiles, goodput, ratios, JSON, plots). Against the in-process
-endpoint (tests/router/inprocess_server.py: the real service with a stand-in decode pool streaming fixed
+endpoint (tests/inprocess_server.py: the real service with a stand-in decode pool streaming fixed
 tokens); tests/e2e runs it on real engines, and side by side with a plain `vllm serve`."""
 
 from __future__ import annotations

@@ -21,9 +21,9 @@ from bench.replay.index_feed import KvIndexFeed
 from bench.replay.sim import SimConfig, Simulator
 from bench.replay.traces import load_trace
 from router.config import RouterConfig
+from router.messages import Decision, RouteRequest
 from router.policy.selector import PdservePolicy
-from router.policy.service_time import ServiceTimeModel
-from router.policy.types import Decision, RouteRequest
+from router.service_time import ServiceTimeModel
 
 RECORDED = Path(__file__).parent / "data" / "pdserve_decisions.json.gz"
 SLICES: dict[str, dict[str, Any]] = {

@@ -8,7 +8,7 @@ import pytest
 from bench.replay.policies import available_policies, describe_pdserve, select
 from router.config import RouterConfig
 from router.policy.selector import PdservePolicy
-from router.policy.service_time import GpuRates, ServiceTimeModel
+from router.service_time import GpuRates, ServiceTimeModel
 
 
 def test_pdserve_runs_with_the_replays_timing_and_the_given_settings() -> None:

@@ -14,8 +14,9 @@ from bench.replay.load import refine
 from bench.replay.metrics import summarize
 from bench.replay.sim import SimConfig, Simulator
 from bench.replay.traces import BlockHasher, Session, Trace, TraceRequest, infinite_cache_hit_ratio
-from router.policy.service_time import ServiceTimeModel
-from router.policy.types import Decision, PrefixLookup, Readback, ReplicaView, RouteRequest
+from router.messages import Decision, Readback, ReplicaView, RouteRequest
+from router.policy.types import PrefixLookup
+from router.service_time import ServiceTimeModel
 
 BLOCK = 16
 

@@ -29,7 +29,7 @@ from cluster.serve_config import compile_serve_config
 from cluster.topology import Topology
 from cluster.topology_file import parse_topology
 from engine.model_source import resolve_model_dir
-from router.client import PdserveClient, PdserveError
+from pdserve_client.sdk import PdserveClient, PdserveError
 
 APP = "pdserve"
 OBJECT_STORE = 80 * 1024**2  # several raylets on one small host: keep each object store small

@@ -18,7 +18,7 @@ from cluster.placement import INFEASIBLE, placement_specs, wait_for_placement
 from cluster.registry import EXPIRY_S
 from engine.double import double_tokens
 from engine.messages import ReplicaInfo
-from router.client import PdserveClient
+from pdserve_client.sdk import PdserveClient
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 

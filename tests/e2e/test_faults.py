@@ -25,7 +25,7 @@ from bench.failover import (
     whole_cluster,
     write_topology,
 )
-from router.client import Completion, PdserveClient
+from pdserve_client.sdk import Completion, PdserveClient
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 

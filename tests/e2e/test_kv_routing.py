@@ -18,8 +18,8 @@ import yaml
 from e2e_support import RunningCluster, cluster_up, make_topology
 from ports import free_port
 
-from router.api import pdserve_pb2 as pb
-from router.client import Completion, PdserveClient
+from pdserve_client.api import pdserve_pb2 as pb
+from pdserve_client.sdk import Completion, PdserveClient
 
 pytestmark = pytest.mark.e2e
 

@@ -16,9 +16,9 @@ import jsonschema
 import pytest
 
 from engine.tiny_model import ensure_tiny_model
-from router.api import pdserve_pb2 as pb
-from router.client import PdserveClient, PdserveError
-from router.tokenizer import PromptTokenizer
+from pdserve_client.api import pdserve_pb2 as pb
+from pdserve_client.sdk import PdserveClient, PdserveError
+from router.intake.tokenizer import PromptTokenizer
 
 pytestmark = pytest.mark.e2e
 
@@ -58,8 +58,8 @@ def tokenizer() -> PromptTokenizer:
 
 @pytest.fixture(scope="module")
 def chat_ids(tokenizer: PromptTokenizer) -> list[int]:
-    from router.client import chat_message, tool
-    from router.tokenizer import message_dicts, tool_dicts
+    from pdserve_client.sdk import chat_message, tool
+    from router.intake.tokenizer import message_dicts, tool_dicts
 
     return tokenizer.encode_chat(
         message_dicts([chat_message(m) for m in CHAT]), tool_dicts([tool(t) for t in TOOLS])
@@ -455,9 +455,10 @@ def test_logprobs_and_template_variables(client: PdserveClient, cluster: Any) ->
 
 
 def test_a_prefill_whose_kv_no_decode_will_pull_is_freed_at_once_when_released(cluster: Any) -> None:
-    """What the router does for a request cancelled, expired or moved between its legs (router/orchestrator.py
-    `_releasing_unpulled_kv`): the decode replica tells the prefill engine, over NIXL, to free the KV it keeps
-    for the pull, instead of holding it until vLLM's 30 s lease runs out. Run last: it adds engine steps."""
+    """What the router does for a request cancelled, expired or moved between its legs
+    (router/legs/orchestrator.py `_releasing_unpulled_kv`): the decode replica tells the prefill engine,
+    over NIXL, to free the KV it keeps for the pull, instead of holding it until vLLM's 30 s lease runs out.
+    Run last: it adds engine steps."""
     probe = subprocess.run(
         [sys.executable, str(Path(__file__).with_name("kv_release_probe.py")), str(19 * BLOCK)],
         capture_output=True,

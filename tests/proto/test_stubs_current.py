@@ -1,4 +1,4 @@
-"""The committed gRPC stubs in router/api match proto/pdserve/v1/pdserve.proto."""
+"""The committed gRPC stubs in pdserve_client/api match proto/pdserve/v1/pdserve.proto."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def test_generated_stubs_are_current() -> None:
 
 
 def test_check_fails_with_a_clear_message_when_stubs_are_stale(tmp_path: Path) -> None:
-    for part in ("scripts/gen_protos.sh", "proto", "router/api"):
+    for part in ("scripts/gen_protos.sh", "proto", "pdserve_client/api"):
         source, target = ROOT / part, tmp_path / part
         target.parent.mkdir(parents=True, exist_ok=True)
         if source.is_dir():
@@ -39,12 +39,12 @@ def test_check_fails_with_a_clear_message_when_stubs_are_stale(tmp_path: Path) -
 
     result = run_check(tmp_path)
     assert result.returncode == 1
-    assert "stale gRPC stubs: router/api/pdserve_pb2.py" in result.stderr
+    assert "stale gRPC stubs: pdserve_client/api/pdserve_pb2.py" in result.stderr
     assert "run scripts/gen_protos.sh" in result.stderr
 
 
 def test_stubs_import_as_a_package() -> None:
-    from router.api import pdserve_pb2, pdserve_pb2_grpc
+    from pdserve_client.api import pdserve_pb2, pdserve_pb2_grpc
 
     request = pdserve_pb2.GenerateRequest(prompt="hi", sampling=pdserve_pb2.SamplingParams(max_tokens=3))
     assert pdserve_pb2.GenerateRequest.FromString(request.SerializeToString()) == request

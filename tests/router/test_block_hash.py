@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from router.block_hash import HASHED, PromptReuse, SessionHasher, hash_blocks
+from router.block_hash import HASHED, SessionHasher, hash_blocks
+from router.messages import PromptReuse
 from router.sessions import Sessions
 
 

@@ -9,9 +9,9 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.messages import EngineStats, GpuSample, ReplicaInfo
-from router.load import LoadTracker
+from router.messages import Decision, RouteRequest
 from router.metrics import RouterMetrics
-from router.policy.types import Decision, RouteRequest
+from router.view.load import LoadTracker
 
 
 def info(replica: str, role: str, *, gpus: int = 0) -> ReplicaInfo:

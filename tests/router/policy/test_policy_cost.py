@@ -6,6 +6,7 @@ import pytest
 from policy_helpers import BS, view
 
 from router.config import RouterConfig
+from router.messages import ReplicaView, Terms
 from router.policy.cost import (
     CostWeights,
     cached_tokens,
@@ -16,7 +17,6 @@ from router.policy.cost import (
 )
 from router.policy.options import Balance, Prompt, Scorer
 from router.policy.recent_work import RecentWork
-from router.policy.types import ReplicaView, Terms
 
 W = CostWeights.of(RouterConfig())
 T = W.timing
@@ -140,7 +140,7 @@ def test_router_settings_are_validated_with_field_paths() -> None:
 
 
 def test_the_service_time_comes_from_the_configured_model_shape_and_hardware() -> None:
-    # The default: DeepSeek-V3 on 8 H200s, rates measured (router/policy/hardware/h200.json).
+    # The default: DeepSeek-V3 on 8 H200s, rates measured (router/hardware/h200.json).
     assert RouterConfig().service_time.timing() == T
     half = msgspec.convert({"service_time": {"gpus_per_replica": 4}}, RouterConfig).service_time.timing()
     assert half.prefill_s(8000, 0) > T.prefill_s(8000, 0)

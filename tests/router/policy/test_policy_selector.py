@@ -8,12 +8,13 @@ from policy_helpers import BS, FixedLookup, request, view
 
 from router.block_hash import hash_blocks
 from router.config import RouterConfig
-from router.kv_index import KvIndex
+from router.errors import NoReplicaError
+from router.messages import Readback, ReplicaView, RouteRequest
 from router.policy.options import Balance, Prompt, Scorer, every_option
 from router.policy.pull import offer
 from router.policy.recent_work import TIE_TOLERANCE_S
 from router.policy.selector import PdservePolicy
-from router.policy.types import NoReplicaError, Readback, ReplicaView, RouteRequest
+from router.view.kv_index import KvIndex
 
 N = 4096  # prompt tokens (256 blocks)
 

@@ -1,0 +1,112 @@
+"""A request in, a prompt the router can route out: validated, tokenized, checked against the context.
+
+    validate (every field, by path) -> tool choice against the model's parsers -> the engine's sampling
+    -> grammar check (xgrammar, off the event loop) -> token ids (a session's next turn: only what it
+    appended) -> prompt length against max_model_len
+
+Every refusal is `RequestFailed(INVALID_ARGUMENT)` naming the field; nothing reaches a replica before it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import NamedTuple
+
+import grpc
+
+from engine.messages import Sampling
+from pdserve_client.api import pdserve_pb2 as pb
+from router.errors import RequestFailed
+from router.intake.chat_encoder import SessionChatEncoder
+from router.intake.output_parser import OutputParser, OutputParsers
+from router.intake.token_sessions import SessionTokenIds, TokenIdsTurn
+from router.intake.tokenizer import ChatInputError, PromptTokenizer
+from router.intake.validation import (
+    InvalidRequest,
+    ModelLimits,
+    PromptInput,
+    check_constraint,
+    check_prompt_length,
+    validate_generate,
+    validate_tokenize,
+)
+from router.messages import PromptReuse
+from router.metrics import RouterMetrics
+from router.sessions import Sessions
+
+
+class Prompt(NamedTuple):
+    """A request that passed intake."""
+
+    session_id: str | None
+    token_ids: list[int]
+    sampling: Sampling  # what the engine runs (with the tool choice's grammar)
+    reuse: PromptReuse | None  # which ids the session's previous turn already had
+    output: OutputParser  # this request's parser of the model's output
+
+
+class PromptIntake:
+    def __init__(
+        self,
+        *,
+        tokenizer: PromptTokenizer,
+        chat_encoder: SessionChatEncoder,
+        parsers: OutputParsers,
+        limits: ModelLimits,
+        metrics: RouterMetrics,
+        sessions: Sessions | None = None,
+    ) -> None:
+        self.limits = limits
+        self._tokenizer = tokenizer
+        self._chat = chat_encoder
+        self._parsers = parsers
+        self._metrics = metrics
+        self._token_sessions = SessionTokenIds(sessions)
+
+    async def take(self, request: pb.GenerateRequest, raw: bytes | None = None) -> Prompt:
+        """`raw`: the request's wire bytes when it came as protobuf (a token-id session's next turn is then
+        recognised by its bytes, router/intake/token_sessions.py); None from the HTTP door."""
+        turn = None if raw is None else self._token_sessions.start(request, raw)
+        try:
+            valid = validate_generate(request, self.limits, None if turn is None else turn.prior)
+            tool_use = valid.tool_use
+            if tool_use is not None and tool_use.choice == "auto" and not self._parsers.parses_tools:
+                raise InvalidRequest(
+                    "tool_choice",
+                    "auto needs model.tool_call_parser in the topology; use none, required or a function",
+                )
+            sampling = self._parsers.engine_sampling(valid.sampling, tool_use)
+            if sampling.constraint is not None:
+                await asyncio.to_thread(check_constraint, sampling)
+            session_id = valid.session_id or None
+            ids, reuse = await self._encode(valid.input, session_id, turn)
+            check_prompt_length(len(ids), sampling, self.limits, input_field=valid.input.kind)
+        except (InvalidRequest, ChatInputError) as exc:
+            raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, f"{exc.field}: {exc.message}") from exc
+        if turn is not None:
+            self._token_sessions.finish(turn, ids)
+            prior = len(turn.prior or ())
+            self._metrics.on_token_ids(prior, len(ids) - prior)
+        return Prompt(session_id, ids, sampling, reuse, self._parsers.parser(tool_use))
+
+    async def tokenize(self, request: pb.TokenizeRequest) -> list[int]:
+        try:
+            prompt = validate_tokenize(request, self.limits)
+            ids, _ = await self._encode(prompt)
+        except (InvalidRequest, ChatInputError) as exc:
+            raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, f"{exc.field}: {exc.message}") from exc
+        return ids
+
+    async def _encode(
+        self, prompt: PromptInput, session_id: str | None = None, turn: TokenIdsTurn | None = None
+    ) -> tuple[list[int], PromptReuse | None]:
+        # Tokenizing a long prompt takes milliseconds of CPU: keep it off the event loop.
+        if prompt.kind == "prompt_token_ids":
+            # Validation built this request's own list (from the previous turn's when `turn` extends it).
+            return prompt.prompt_token_ids, None if turn is None else turn.reuse
+        if prompt.kind == "prompt":
+            return await asyncio.to_thread(self._tokenizer.encode_text, prompt.prompt), None
+        # A session's chat is encoded incrementally: only the text its new turn appended.
+        return await asyncio.to_thread(
+            self._chat.encode_reusing, session_id, prompt.messages, prompt.tools, prompt.template_kwargs
+        )

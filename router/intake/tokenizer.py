@@ -1,0 +1,172 @@
+"""The router's tokenizer: turns a request's prompt or chat messages into the token ids the engines get.
+
+The router tokenizes (engines receive token ids only) so that it can hash prompt blocks and route by
+cached prefix before any engine sees the request. The token ids must equal what vLLM itself would
+produce for the same input, so this follows vLLM's conventions:
+- plain text is encoded with the tokenizer's default special tokens (`add_special_tokens=True`): none
+  for the built-in tiny model, a BOS for models whose tokenizer adds one (as vLLM does for completions);
+- chat messages are rendered with the model's chat template (`add_generation_prompt=True`) and the text
+  is encoded with `add_special_tokens=False`, since the template already writes any BOS/role tokens.
+
+A Hugging Face fast tokenizer must not be used from two threads at once (its Rust object raises
+"Already borrowed"), so every call into it holds a lock; encoding holds the GIL anyway, so the lock
+costs no parallelism. Callers on an event loop use `asyncio.to_thread`.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jinja2
+
+from pdserve_client.api import pdserve_pb2
+
+
+class ChatInputError(ValueError):
+    """A chat message or tool that cannot be given to the chat template; `field` is its path."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+def message_dicts(messages: Sequence[pdserve_pb2.ChatMessage]) -> list[dict[str, Any]]:
+    """Proto chat messages as the dicts chat templates take (OpenAI/HF shape, tool arguments parsed)."""
+    return [_message_dict(message, f"messages[{i}]") for i, message in enumerate(messages)]
+
+
+def tool_dicts(tools: Sequence[pdserve_pb2.Tool]) -> list[dict[str, Any]]:
+    """Proto tool definitions as HF chat-template tools: {"type": "function", "function": {...}}."""
+    return [_tool_dict(tool, f"tools[{i}]") for i, tool in enumerate(tools)]
+
+
+def _message_dict(message: pdserve_pb2.ChatMessage, field: str) -> dict[str, Any]:
+    converted: dict[str, Any] = {"role": message.role, "content": message.content}
+    # Optional keys only when set: templates test `message.tool_calls is defined` and the like.
+    if message.name:
+        converted["name"] = message.name
+    if message.tool_call_id:
+        converted["tool_call_id"] = message.tool_call_id
+    if message.tool_calls:
+        converted["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {
+                    "name": call.name,
+                    "arguments": _json_object(call.arguments_json, f"{field}.tool_calls[{j}].arguments_json"),
+                },
+            }
+            for j, call in enumerate(message.tool_calls)
+        ]
+    return converted
+
+
+def _tool_dict(tool: pdserve_pb2.Tool, field: str) -> dict[str, Any]:
+    if not tool.name:
+        raise ChatInputError(f"{field}.name", "a tool needs a name")
+    parameters = _json_object(tool.parameters_json, f"{field}.parameters_json")
+    function: dict[str, Any] = {
+        "name": tool.name,
+        "description": tool.description,
+        # An empty schema means "no arguments".
+        "parameters": parameters or {"type": "object", "properties": {}},
+    }
+    return {"type": "function", "function": function}
+
+
+def _json_object(text: str, field: str) -> dict[str, Any]:
+    """Parse JSON object text; empty text is an empty object."""
+    if not text.strip():
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ChatInputError(field, f"invalid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise ChatInputError(field, f"must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+class PromptTokenizer:
+    """A model's tokenizer and chat template, loaded from a local model directory (never the hub)."""
+
+    def __init__(self, model_dir: str | Path, *, trust_remote_code: bool = False) -> None:
+        """`trust_remote_code`: run the tokenizer code the model directory ships (topology
+        `model.trust_remote_code`; e.g. Kimi-K2's), as the engines do."""
+        # Imported here, not at the top: transformers imports torch (seconds), and validation uses this
+        # module's conversion helpers without ever loading a tokenizer.
+        from transformers import AutoTokenizer
+
+        self._tokenizer = AutoTokenizer.from_pretrained(
+            str(model_dir), local_files_only=True, trust_remote_code=trust_remote_code
+        )
+        self._lock = threading.Lock()
+
+    @property
+    def hf_tokenizer(self) -> Any:
+        """The underlying Hugging Face tokenizer (for inspection; calls into it must hold no other lock)."""
+        return self._tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids the tokenizer knows, added special tokens included."""
+        return len(self._tokenizer)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        eos = self._tokenizer.eos_token_id
+        return int(eos) if eos is not None else None
+
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of a plain-text prompt, with the special tokens the model's tokenizer adds by default."""
+        with self._lock:
+            return list(self._tokenizer.encode(text, add_special_tokens=True))
+
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        """The chat template's text for these messages, ending with the assistant's generation prompt.
+        `template_kwargs`: variables for the template (validated: none of apply_chat_template's own)."""
+        if self._tokenizer.chat_template is None:
+            raise ValueError("this model has no chat template: send a prompt or token ids instead")
+        try:
+            with self._lock:
+                text = self._tokenizer.apply_chat_template(
+                    messages,
+                    tools=list(tools) if tools else None,
+                    tokenize=False,
+                    add_generation_prompt=True,
+                    **(template_kwargs or {}),
+                )
+        except jinja2.TemplateError as exc:
+            # Templates reject conversations they cannot render (e.g. roles out of order).
+            raise ChatInputError("messages", f"the chat template rejected the conversation: {exc}") from exc
+        return str(text)
+
+    def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """Token ids of the rendered chat; the template itself writes any BOS and role tokens."""
+        return self.encode_rendered(self.render_chat(messages, tools, template_kwargs))
+
+    def encode_rendered(self, text: str) -> list[int]:
+        """Token ids of chat-template output (or a piece of it): no special tokens added."""
+        with self._lock:
+            return list(self._tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        """Text of these token ids (special tokens dropped by default, as vLLM's detokenizer does)."""
+        with self._lock:
+            return str(self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens))

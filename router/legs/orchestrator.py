@@ -1,0 +1,382 @@
+"""Runs one request through the cluster: the prefill leg (if any), then the decode leg, streaming tokens.
+
+    (a) no prefill leg: the decode replica prefills locally (no prefill pool, or the router decided the
+        decode replica already holds all but a small suffix of the prompt)
+    (b) prefill leg (max_tokens=1, do_remote_decode) -> kv_transfer_params -> decode leg with those
+        params; the decode engine pulls the KV from the prefill engine over NIXL. With KV readback, the
+        prefill leg first pulls the prefix a decode engine kept pinned from the session's previous turn
+        (`Route.readback_params`), so it computes only the rest. Or (KV export, `Route.export_replica`) the
+        router first asks a decode replica to pin a prefix it holds in its prefix cache (a one-token
+        request there), and the prefill leg pulls that. If the export pins nothing (the replica is gone or
+        Serve sent the call elsewhere, or it did not answer within `export_timeout_s`), the prefill leg
+        computes the prefix itself and the completion says so (`Completion.export`, `note`). Legs reach each
+        prefill replica in decision order (router/legs/leg_order.py), exports or not.
+
+KV bytes never pass through here: only token ids, text and NIXL's small control parameters.
+Cancellation (client gone, deadline) propagates: the Serve call is cancelled, the replica's coroutine is
+cancelled, and the engine aborts the request.
+
+Failover (`serve`): when a leg's replica dies or its engine fails, the request is routed again with the
+tokens streamed so far appended to its prompt, and goes on from there: the client sees one stream (with
+greedy sampling, the same tokens as without the failure). The request's lifecycle (router/request/) is told
+of every step: prefill done, a replica failed, the continuation's route.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
+
+import msgspec
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+
+from engine.messages import (
+    PIN_ONLY_KV_PARAMS,
+    EngineRequest,
+    PrefillResult,
+    ReplicaFailed,
+    Role,
+    Sampling,
+    ServingPath,
+    StreamBatch,
+    TokenBatch,
+)
+from router.config import LiveConfig
+from router.decision.readback import block_id_groups, cut_pinned
+from router.errors import NoReplicaError
+from router.legs.leg_order import LegOrder, Ticket
+from router.messages import Completion, Route
+from router.request.lifecycle import RequestLifecycle
+
+log = logging.getLogger(__name__)
+
+# A replica that died or vanished mid-call; Serve replaces it, and a retry goes to a healthy one.
+REPLICA_LOST = (RayActorError, ActorDiedError, ActorUnavailableError)
+# Wait before the second move of one request (and twice that before the third, ...).
+MOVE_BACKOFF_S = 0.5
+
+
+class LegFailed(Exception):
+    """A leg's replica died or its engine failed; the request can go on elsewhere. `replica_id`: the failed
+    replica when known for sure ("" when Serve may have sent the call elsewhere than hinted)."""
+
+    def __init__(self, role: Role, replica_id: str, reason: str) -> None:
+        super().__init__(f"{role} replica {replica_id or '(unknown)'}: {reason}")
+        self.role = role
+        self.replica_id = replica_id
+        self.reason = reason
+
+
+class Orchestrator:
+    def __init__(
+        self,
+        prefill: Any | None,
+        decode: Any,
+        *,
+        block_size: int,
+        config: LiveConfig | None = None,
+        export_timeout_s: float = 5.0,
+    ) -> None:
+        """`prefill`/`decode`: Serve deployment handles (prefill None when the topology has no pool).
+        `config`: the router's settings (how decode legs batch their tokens; None: they do not)."""
+        self._config = config
+        self._prefill = prefill
+        self._decode = decode
+        self._block_size = block_size
+        self._export_timeout_s = export_timeout_s
+        self._order = LegOrder()
+        self._releases: set[asyncio.Task[None]] = set()  # held so that a running release is not collected
+
+    def _stream(self) -> StreamBatch | None:
+        if self._config is None:
+            return None
+        cfg = self._config.current
+        return StreamBatch(tokens=cfg.stream_batch_tokens, ms=cfg.stream_batch_ms)
+
+    async def serve(self, request: RequestLifecycle) -> AsyncIterator[TokenBatch | Completion]:
+        """`run` for `request`, moved to another replica when one fails: the request is told which replica
+        failed, then routes the continuation (`request.reroute`). The continuation's prompt is the original
+        one plus every token streamed so far, and its max_tokens what is left, so a greedy stream goes on
+        exactly where it stopped. At most `request.attempts` moves."""
+        started = time.monotonic()
+        prompt_token_ids, sampling, route = request.prompt, request.sampling, request.route
+        generated: list[int] = []
+        moves: list[str] = []
+        first_token_ms: float | None = None
+
+        def left() -> Sampling:  # what the continuation may still generate
+            return msgspec.structs.replace(sampling, max_tokens=sampling.max_tokens - len(generated))
+
+        while True:
+            leg_id = f"{request.request_id}.{len(moves)}" if moves else request.request_id
+            try:
+                async for event in self.run(leg_id, prompt_token_ids + generated, left(), route, request):
+                    if isinstance(event, TokenBatch):
+                        if event.token_ids and first_token_ms is None:
+                            first_token_ms = (time.monotonic() - started) * 1e3
+                        generated += event.token_ids
+                    elif moves:
+                        event = _continued(event, len(prompt_token_ids), generated, moves, started)
+                        event.ttft_ms = first_token_ms or event.ttft_ms
+                    yield event
+                return
+            except LegFailed as exc:
+                if exc.replica_id:
+                    request.replica_failed(exc.replica_id, exc.reason)
+                moves.append(f"{exc} after {len(generated)} tokens")
+                if sampling.constraint is not None and generated:
+                    # vLLM starts a grammar at the output's first token: a continuation would start the
+                    # constrained output over after what the client already has.
+                    raise NoReplicaError(
+                        f"{moves[-1]}; a request with a response format or a required tool call cannot "
+                        "continue on another replica once its output has begun"
+                    ) from exc
+                if len(moves) > request.attempts:
+                    raise NoReplicaError(f"no replica could finish the request: {'; '.join(moves)}") from exc
+                log.warning("request %s: %s; continuing elsewhere", request.request_id, moves[-1])
+                if len(moves) > 1:  # failing again at once: give the cluster a moment to replace replicas
+                    await asyncio.sleep(MOVE_BACKOFF_S * (len(moves) - 1))
+                route = await request.reroute(prompt_token_ids + generated, left())
+
+    async def run(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: Sampling,
+        route: Route,
+        request: RequestLifecycle | None = None,
+    ) -> AsyncIterator[TokenBatch | Completion]:
+        """Stream one attempt's token batches, then its Completion. `request` is told once the prompt is
+        computed (the prefill leg returned, or decode's first token after a local prefill)."""
+        started = time.monotonic()
+        prefill_result: PrefillResult | None = None
+        path: ServingPath = "local_prefill"
+        note = ""
+        export = ""
+        kv_params: dict[str, Any] | None = None
+        if route.prefill and self._prefill is not None:
+            # Taken before the first await: tickets follow decision order.
+            ticket = self._order.take(route.prefill_replica) if route.prefill_replica else None
+            try:
+                pull = route.readback_params
+                if route.export_replica:
+                    pull, export = await self._export(request_id, prompt_token_ids, route)
+                    if pull is None:
+                        note = f"KV export from {route.export_replica} {export}: prefill computed the prefix"
+                if ticket is not None:
+                    await ticket.turn()
+                prefill_result = await self._prefill_leg(
+                    request_id, prompt_token_ids, route.prefill_replica, pull, ticket, route.avoid
+                )
+            finally:
+                if ticket is not None:
+                    ticket.sent()
+            kv_params = prefill_result.kv_transfer_params
+            if kv_params:
+                path = "disaggregated"
+            else:
+                path = "decode_full_prefill"
+                note = "the prefill leg returned no KV transfer parameters; decode prefilled the whole prompt"
+        prefill_done = time.monotonic()
+        if prefill_result is not None and request is not None:
+            request.prefill_done()
+
+        if not kv_params and route.pin_kv:
+            # With readback on, any connector params make the engine pin the request's blocks at the end.
+            kv_params = dict(PIN_ONLY_KV_PARAMS)
+        decode_req = EngineRequest(
+            request_id=f"{request_id}-d",
+            prompt_token_ids=prompt_token_ids,
+            sampling=sampling,
+            kv_transfer_params=kv_params,
+            stream=self._stream(),
+        )
+        completion_tokens = 0
+        generated: list[int] = []
+        ttft_ms = 0.0
+        # aclosing: if our consumer stops early, the decode stream is cancelled now, not at GC time.
+        async with (
+            contextlib.aclosing(self._decode_leg(decode_req, route)) as leg,
+            contextlib.aclosing(self._releasing_unpulled_kv(leg, path, kv_params, route)) as batches,
+        ):
+            async for batch in batches:
+                if batch.token_ids and completion_tokens == 0:
+                    ttft_ms = (time.monotonic() - started) * 1e3
+                    if prefill_result is None and request is not None:
+                        request.prefill_done()
+                completion_tokens += len(batch.token_ids)
+                if route.pin_kv:  # kept only to tell the router what a pin holds
+                    generated += batch.token_ids
+                if batch.finish_reason is None:
+                    yield batch
+                    continue
+                # The last batch: stream its tokens, then the summary.
+                yield TokenBatch(token_ids=batch.token_ids, text=batch.text, logprobs=batch.logprobs)
+                yield Completion(
+                    finish_reason=batch.finish_reason,
+                    stop_reason=batch.stop_reason,
+                    prompt_tokens=batch.num_prompt_tokens,
+                    cached_tokens=batch.num_cached_tokens,
+                    completion_tokens=completion_tokens,
+                    kv_transferred_tokens=self._handed_off_tokens(kv_params, len(prompt_token_ids)),
+                    predicted_cached_tokens=route.predicted_cached_tokens,
+                    path=path,
+                    prefill_replica=prefill_result.replica_id if prefill_result else "",
+                    prefill_node=prefill_result.node_id if prefill_result else "",
+                    decode_replica=batch.replica_id,
+                    decode_node=batch.node_id,
+                    note=note,
+                    ttft_ms=ttft_ms,
+                    prefill_ms=(prefill_done - started) * 1e3,
+                    e2e_ms=(time.monotonic() - started) * 1e3,
+                    pinned_kv=batch.pinned_kv,
+                    output_token_ids=generated if batch.pinned_kv else [],
+                    export=export,
+                )
+                return
+        raise RuntimeError(f"decode stream for {request_id} ended without a final batch")
+
+    async def _releasing_unpulled_kv(
+        self,
+        batches: AsyncIterator[TokenBatch],
+        path: ServingPath,
+        kv_params: dict[str, Any] | None,
+        route: Route,
+    ) -> AsyncGenerator[TokenBatch, None]:
+        """`batches`; if the decode leg ends before its first batch (cancelled, expired, its replica lost),
+        the prefill engine is told to free the prompt's KV now rather than when vLLM's lease runs out."""
+        pulled = path != "disaggregated"
+        avoid = route.avoid
+        try:
+            async for batch in batches:
+                pulled = True  # a first token: the decode engine has read the KV
+                yield batch
+        except LegFailed as exc:
+            avoid = (*avoid, exc.replica_id) if exc.replica_id else avoid  # a failed engine frees nothing
+            raise
+        finally:
+            if not pulled:
+                release = self._release(kv_params or {}, route.decode_replica, avoid)
+                task = asyncio.get_running_loop().create_task(release)
+                self._releases.add(task)
+                task.add_done_callback(self._releases.discard)
+
+    async def _release(self, kv_params: dict[str, Any], replica: str | None, avoid: tuple[str, ...]) -> None:
+        """Ask a decode replica (the chosen one, which may hold the request) to free `kv_params`' KV."""
+        try:
+            released = await asyncio.wait_for(
+                self._decode.release.remote(kv_params, replica_hint=replica, replica_avoid=avoid),
+                self._export_timeout_s,
+            )
+        except (*REPLICA_LOST, ReplicaFailed, TimeoutError) as exc:
+            log.warning("could not release prefill KV %s: %s", kv_params.get("remote_request_id"), exc)
+            return
+        log.info("prefill KV %s released: %s", kv_params.get("remote_request_id"), released)
+
+    async def _export(
+        self, request_id: str, prompt: list[int], route: Route
+    ) -> tuple[dict[str, Any] | None, str]:
+        """Have `route.export_replica` pin the prompt's first `route.export_tokens` tokens; the params that
+        pull them, and the outcome."""
+        tokens = route.export_tokens
+        req = EngineRequest(
+            request_id=f"{request_id}-x",
+            # One token past the prefix: the engine computes at least one token, and this way every block of
+            # the prefix is a cache hit (the one with the last token would otherwise be recomputed).
+            prompt_token_ids=prompt[: tokens + 1],
+            sampling=Sampling(max_tokens=1),
+        )
+        response = self._decode.export.remote(
+            req, replica_hint=route.export_replica, replica_avoid=route.avoid
+        )
+        try:
+            pinned = await asyncio.wait_for(response, self._export_timeout_s)
+        except (*REPLICA_LOST, ReplicaFailed) as exc:
+            log.warning("KV export for %s: decode replica %s lost: %s", request_id, route.export_replica, exc)
+            return None, "lost"
+        except TimeoutError:
+            response.cancel()
+            log.warning("KV export for %s: %s did not answer in time", request_id, route.export_replica)
+            return None, "timeout"
+        except BaseException:
+            response.cancel()
+            raise
+        params = None if pinned is None else cut_pinned(pinned, tokens, self._block_size)
+        return (None, "declined") if params is None else (params, "pinned")
+
+    async def _prefill_leg(
+        self,
+        request_id: str,
+        prompt: list[int],
+        replica: str | None,
+        pull: dict[str, Any] | None,
+        ticket: Ticket | None = None,
+        avoid: tuple[str, ...] = (),
+    ) -> PrefillResult:
+        """`pull`: pinned decode KV of the prompt's prefix to pull instead of computing (readback). `ticket`:
+        told once the leg is sent."""
+        req = EngineRequest(
+            request_id=f"{request_id}-p",
+            prompt_token_ids=prompt,
+            sampling=Sampling(),
+            kv_transfer_params=pull,
+        )
+        handle = self._prefill
+        assert handle is not None
+        response = handle.prefill.remote(req, replica_hint=replica, replica_avoid=avoid)
+        if ticket is not None:
+            ticket.sent()
+        try:
+            return await response
+        except REPLICA_LOST as exc:
+            # Serve may have sent the call elsewhere than hinted: the lost replica is not known for sure.
+            log.warning("prefill leg of %s: replica lost: %s", request_id, exc)
+            raise LegFailed("prefill", "", "its replica process died") from exc
+        except ReplicaFailed as exc:
+            raise LegFailed("prefill", exc.replica_id, exc.reason) from exc
+        except BaseException:
+            response.cancel()
+            raise
+
+    async def _decode_leg(self, req: EngineRequest, route: Route) -> AsyncGenerator[TokenBatch, None]:
+        stream = self._decode.options(stream=True).generate.remote(
+            req, replica_hint=route.decode_replica, replica_avoid=route.avoid
+        )
+        streaming_from = ""  # every batch names its replica: once one came, the loss is known for sure
+        finished = False
+        try:
+            async for batch in stream:
+                streaming_from = batch.replica_id or streaming_from
+                finished = batch.finish_reason is not None
+                yield batch
+        except REPLICA_LOST as exc:
+            log.warning("decode leg of %s: replica lost: %s", req.request_id, exc)
+            raise LegFailed("decode", streaming_from, "its replica process died") from exc
+        except ReplicaFailed as exc:
+            raise LegFailed("decode", exc.replica_id, exc.reason) from exc
+        finally:
+            if not finished:
+                stream.cancel()
+
+    def _handed_off_tokens(self, kv_params: dict[str, Any] | None, prompt_len: int) -> int:
+        """Prompt tokens whose KV the prefill engine handed off (its block ids x block size)."""
+        groups = block_id_groups(kv_params)
+        return min(len(groups[0]) * self._block_size, prompt_len) if groups else 0
+
+
+def _continued(
+    c: Completion, prompt_len: int, generated: list[int], moves: list[str], started: float
+) -> Completion:
+    """The last leg's summary, as the client's one request: the original prompt, every token streamed."""
+    c.prompt_tokens = prompt_len
+    c.cached_tokens = min(c.cached_tokens, prompt_len)
+    c.completion_tokens = len(generated)
+    c.e2e_ms = (time.monotonic() - started) * 1e3
+    c.note = "; ".join(filter(None, [c.note, *(f"continued after {m}" for m in moves)]))
+    if c.output_token_ids:  # with readback: the pin holds the continuation's prompt and its output
+        c.output_token_ids = generated
+    return c

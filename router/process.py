@@ -1,0 +1,256 @@
+"""The router process: holds Serve deployment handles to the engine pools and serves the gRPC endpoint.
+
+It runs in the `pdserve up` process, or in a Serve replica of its own on the Ray head
+(cluster/router_replica.py, whose health check and shutdown follow this endpoint) on a cluster nobody runs
+`pdserve up` on. It owns no KV bytes: only handles, tokens and text. It follows the deployed topology's
+`router` section (the registry carries it): `pdserve apply` of a routing setting reconfigures it in place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from grpc_health.v1.health_pb2 import HealthCheckResponse
+from ray import serve
+
+from engine.messages import ReplicaInfo
+from pdserve_client.api import pdserve_pb2 as pb
+from router.config import LiveConfig, RouterConfig, ServedModel, ServerConfig
+from router.decision.decider import Decider
+from router.decision.readback import KvPulls, ReadbackTable
+from router.doors.grpc_service import PdserveService, start_grpc_server
+from router.doors.listen import ListenError
+from router.doors.openai_http import HttpServer, build_app
+from router.generate import GeneratePath
+from router.intake.chat_encoder import SessionChatEncoder
+from router.intake.output_parser import OutputParsers
+from router.intake.prompt import PromptIntake
+from router.intake.tokenizer import PromptTokenizer
+from router.intake.validation import ModelLimits
+from router.legs.orchestrator import Orchestrator
+from router.metrics import RouterMetrics
+from router.policy.selector import PdservePolicy
+from router.sessions import Sessions
+from router.view.cluster_view import ClusterView
+
+log = logging.getLogger(__name__)
+
+
+class RouterProcess:
+    def __init__(
+        self,
+        model: ServedModel,
+        router: RouterConfig,
+        server: ServerConfig,
+        *,
+        model_dir: Path,
+        app_name: str,
+        has_prefill: bool,
+        kv_readback_ttl_s: int = 0,
+    ) -> None:
+        """`kv_readback_ttl_s`: how long decode engines keep a finished turn's KV pinned (0: no readback)."""
+        self.model = model
+        self.server = server
+        self.config = LiveConfig(router)
+        self.app_name = app_name
+        self.metrics = RouterMetrics()
+        self._serving: bool | None = None  # what grpc.health.v1 says now (None: not yet set)
+        tokenizer = PromptTokenizer(model_dir, trust_remote_code=model.trust_remote_code)
+        prefill = serve.get_deployment_handle("prefill", app_name) if has_prefill else None
+        decode = serve.get_deployment_handle("decode", app_name)
+        self._registry = serve.get_deployment_handle("registry", app_name)
+        # Everything kept about a session between its turns, by every part of the router, one bound.
+        self.sessions = Sessions.of(router)
+        self.policy = PdservePolicy(router, sessions=self.sessions)
+        self.view = ClusterView(
+            self._registry, block_size=model.block_size, timing=self.policy.weights.timing
+        )
+        self.metrics.watch(model.name, lambda: self.view.replicas, self.view.load)
+        # Read secrets and certificates now, not on the event loop; the token's value is never logged.
+        self._tls = None
+        if server.tls is not None:
+            self._tls = (Path(server.tls.key_file).read_bytes(), Path(server.tls.cert_file).read_bytes())
+        self._token = None
+        if server.auth_token_env:
+            self._token = os.environ.get(server.auth_token_env)
+            if not self._token:
+                raise RuntimeError(f"server.auth_token_env names {server.auth_token_env}, which is not set")
+        self.legs = Orchestrator(prefill, decode, block_size=model.block_size, config=self.config)
+        self.decider = Decider(
+            view=self.view,
+            policy=self.policy,
+            block_size=model.block_size,
+            has_prefill_pool=has_prefill,
+            config=self.config,
+            pulls=KvPulls(
+                ReadbackTable(block_size=model.block_size, ttl_s=kv_readback_ttl_s, sessions=self.sessions),
+                self.config,
+            )
+            if has_prefill and kv_readback_ttl_s > 0
+            else None,
+            sessions=self.sessions,
+        )
+        self.path = GeneratePath(
+            intake=PromptIntake(
+                tokenizer=tokenizer,
+                chat_encoder=SessionChatEncoder(
+                    tokenizer, self.sessions, on_encoded=self.metrics.on_chat_encoded
+                ),
+                parsers=OutputParsers(tokenizer.hf_tokenizer, model.tool_call_parser, model.reasoning_parser),
+                limits=ModelLimits(
+                    served_name=model.name, max_model_len=model.max_model_len, vocab_size=tokenizer.vocab_size
+                ),
+                metrics=self.metrics,
+                sessions=self.sessions,
+            ),
+            decider=self.decider,
+            legs=self.legs,
+            metrics=self.metrics,
+            config=self.config,
+        )
+        self.service = PdserveService(
+            self.path, block_size=model.block_size, cluster_status=self.cluster_status
+        )
+
+    def reconfigure(self, router: RouterConfig) -> None:
+        """Apply a new `router` section to the running router: the next request sees it (every part reads
+        `self.config.current`; what is derived from it is rebuilt here). Sessions, the KV index and load
+        accounting are kept."""
+        old = self.config.current
+        if router == old:
+            return
+        self.config.current = router
+        self.sessions.resize(router.max_sessions, router.max_session_tokens)
+        self.policy.reconfigure(router)
+        self.view.load.timing = self.policy.weights.timing
+        log.info("router settings applied in place: %s", _changed(old, router))
+
+    async def _follow_config(self, every_s: float = 1.0) -> None:
+        """Poll the deployed `router` section (the registry holds the topology `pdserve apply` deployed)."""
+        while True:
+            await asyncio.sleep(every_s)
+            try:
+                raw = await self._registry.router_config.remote()
+            except Exception as exc:  # the registry restarting: keep the settings in use
+                log.warning("reading the deployed router settings failed (keeping the current ones): %s", exc)
+                continue
+            if raw is None:
+                continue
+            try:
+                self.reconfigure(msgspec.convert(raw, RouterConfig))
+            except msgspec.ValidationError as exc:  # validated by apply; only a hand-made deploy gets here
+                log.error("deployed router settings refused, keeping the current ones: %s", exc)
+
+    async def _follow_health(self, health: Any, every_s: float = 0.25) -> None:
+        while True:
+            await asyncio.sleep(every_s)
+            await self._update_health(health)
+
+    async def _update_health(self, health: Any) -> None:
+        """grpc.health.v1 says SERVING while a decode replica can take requests and NOT_SERVING while none
+        can (all failed, draining or starting), so a load balancer in front sends traffic elsewhere."""
+        now = self.view.serving("decode") > 0
+        if now == self._serving:
+            return
+        if self._serving is not None:
+            log.warning("health: %s", "SERVING again" if now else "NOT_SERVING: no decode replica can serve")
+        status = HealthCheckResponse.SERVING if now else HealthCheckResponse.NOT_SERVING
+        for name in ("", pb.DESCRIPTOR.services_by_name["Pdserve"].full_name):
+            await health.set(name, status)
+        self.metrics.serving.set(1 if now else 0)
+        self._serving = now
+
+    async def cluster_status(self) -> list[pb.Replica]:
+        """The registry's replicas (their latest stats), in the state this router sees them: READY only once
+        it routes to them (its view polls the registry every second), FAILED as soon as it saw one fail."""
+        infos: list[ReplicaInfo] = await self._registry.snapshot.remote()
+        known, failed = self.view.replicas, set(self.view.failed_ids())
+        return [
+            _replica_status(i, routed=i.replica_id in known, failed=i.replica_id in failed) for i in infos
+        ]
+
+    async def serve_until(self, stop: asyncio.Event, on_ready: Callable[[], None] = lambda: None) -> None:
+        cfg = self.server
+        await self.view.refresh()
+        view_task = asyncio.create_task(self.view.run(), name="cluster-view")
+        config_task = asyncio.create_task(self._follow_config(), name="router-config")
+        try:
+            self.metrics.serve(cfg.metrics_host, cfg.metrics_port)
+        except OSError as exc:
+            raise ListenError(
+                "server.metrics_port", f"{cfg.metrics_host}:{cfg.metrics_port}", exc.strerror or str(exc)
+            ) from exc
+        server, health = await start_grpc_server(
+            self.service, host=cfg.grpc_host, port=cfg.grpc_port, tls=self._tls, auth_token=self._token
+        )
+        log.info("gRPC endpoint on %s:%d", cfg.grpc_host, cfg.grpc_port)
+        http = await self._start_http() if cfg.http_port is not None else None
+        await self._update_health(health)
+        health_task = asyncio.create_task(self._follow_health(health), name="health")
+        on_ready()
+        try:
+            await stop.wait()
+        finally:
+            health_task.cancel()
+            if http is not None:
+                await http.stop()
+            await health.enter_graceful_shutdown()
+            # In-flight streams get a grace period to finish; new calls are refused meanwhile.
+            await server.stop(grace=10.0)
+            view_task.cancel()
+            config_task.cancel()
+
+    async def _start_http(self) -> HttpServer:
+        cfg = self.server
+        assert cfg.http_port is not None
+        app = build_app(
+            self.path,
+            served_name=self.model.name,
+            max_model_len=self.model.max_model_len,
+            serving=lambda: bool(self._serving),
+            auth_token=self._token,
+        )
+        tls = cfg.tls
+        server = HttpServer(
+            app, cfg.http_host, cfg.http_port, tls=(tls.key_file, tls.cert_file) if tls else None
+        )
+        await server.start()
+        log.info("OpenAI HTTP endpoint on %s:%d", cfg.http_host, cfg.http_port)
+        return server
+
+
+def _changed(old: RouterConfig, new: RouterConfig) -> str:
+    a, b = msgspec.to_builtins(old), msgspec.to_builtins(new)
+    return ", ".join(f"{k}: {a[k]} -> {b[k]}" for k in b if a.get(k) != b[k]) or "none"
+
+
+def _replica_status(info: ReplicaInfo, *, routed: bool = True, failed: bool = False) -> pb.Replica:
+    replica = pb.Replica(
+        replica_id=info.replica_id,
+        role=info.role,
+        state="FAILED"
+        if info.failed or failed
+        else "DRAINING"
+        if info.draining
+        else "READY"
+        if info.ready and routed
+        else "STARTING",
+        node_id=info.node_id,
+    )
+    s = info.stats
+    if s is not None:
+        replica.running_requests = s.running
+        replica.waiting_requests = s.waiting
+        replica.kv_cache_usage = s.kv_cache_usage
+        replica.prompt_tokens_computed = s.prompt_tokens_computed
+        replica.prompt_tokens_local_cache_hit = s.prompt_tokens_local_cache_hit
+        replica.prompt_tokens_external_kv = s.prompt_tokens_external_kv
+        replica.nixl_bytes_transferred = s.nixl_bytes_transferred
+        replica.requests_finished = s.requests_finished
+    return replica

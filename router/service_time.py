@@ -1,0 +1,179 @@
+"""How long a prefill, a decode step and a KV transfer take on one replica: the single time model behind the
+routing cost (`router.policy.cost`) and the trace replay's simulated engines (`bench.replay.sim`).
+
+The router estimates with the same formula the replay charges, so a policy decision is scored in the units the
+benchmark measures (seconds) and a mismatch between belief and simulated cost can only come from what the
+router does not know (cache state at prefill start, queue contents), not from two different formulas.
+
+The modelled replica (`ServiceTime`, the topology's `router.service_time`): `gpus_per_replica` GPUs of a named
+`hardware` serving a model of a given shape (`ModelShape`; the default is DeepSeek-V3: 671B MoE, 37B active
+parameters, MLA attention, 61 layers, 128 heads). The per-GPU rates are measured data,
+`router/hardware/<hardware>.json` (`GpuRates.measured`):
+
+- Prefill = per-request overhead + linear layers + causal attention, both compute-bound:
+  * linear: 2 x active_params FLOPs per new token, at the measured large-M bf16 GEMM rate (median over the
+    calibration's GEMM shapes at M >= 2048) x gpus x `parallel_efficiency` (TP/EP communication);
+  * attention: for `n` new tokens after `c` cached ones, n*c + n(n+1)/2 (query, key) pairs, each 4 x heads x
+    (qk_dim + v_dim)/2 x layers FLOPs (MLA prefill runs un-absorbed: q/k 192, v 128), at the measured causal
+    prefill attention rate (largest sequence length) x gpus x efficiency. This term is why a turn with a
+    long cached context still costs: the new tokens attend to all of it, and why a miss on a 100k-token
+    context costs ~25x a hit.
+- Decode step (TPOT) for a batch of B sequences holding K context tokens: step overhead + expert/dense
+  weight bytes touched by B tokens (top-k of the experts) streamed at the measured small-M weight-streaming
+  rate + K x kv_bytes_per_token streamed at the measured decode-attention rate.
+- A prefill on a decode replica (`mixed_prefill`): chunked between its decode steps as vLLM schedules it, each
+  mixed step as slow as the larger of the decode step and the chunk.
+- KV transfer P -> D: bytes / link bandwidth (8 x 400 Gb/s InfiniBand per node across nodes; NVLink within a
+  node), plus a fixed setup latency.
+
+The constants that are not measured (efficiency, overheads, links) are named fields of `ServiceTimeModel`.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import statistics
+from pathlib import Path
+from typing import Annotated, Literal
+
+import msgspec
+
+Positive = Annotated[float, msgspec.Meta(gt=0)]
+NonNegative = Annotated[float, msgspec.Meta(ge=0)]
+PositiveInt = Annotated[int, msgspec.Meta(gt=0)]
+
+
+HARDWARE_DIR = Path(__file__).resolve().parent / "hardware"
+Hardware = Literal["h200"]  # the files in HARDWARE_DIR
+
+
+class ModelShape(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What the service times need of the served model (defaults: DeepSeek-V3)."""
+
+    active_params: Positive = 37e9
+    total_params: Positive = 671e9
+    # Parameters every token touches (attention projections, dense layers, shared experts, embeddings).
+    dense_params: Positive = 17e9
+    num_experts: PositiveInt = 256
+    experts_per_token: PositiveInt = 8
+    weight_bytes_per_param: Positive = 1.0  # fp8
+    layers: PositiveInt = 61
+    heads: PositiveInt = 128
+    qk_head_dim: PositiveInt = 192
+    v_head_dim: PositiveInt = 128
+    kv_bytes_per_token: Positive = 70e3  # MLA latent, bf16
+
+
+class GpuRates(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Per-GPU rates, as measured."""
+
+    gemm_flops: Positive
+    attention_flops: Positive
+    weight_stream_bytes_per_s: Positive
+    kv_stream_bytes_per_s: Positive
+
+    @staticmethod
+    @functools.cache
+    def measured(hardware: Hardware = "h200") -> GpuRates:
+        """The rates of `HARDWARE_DIR/<hardware>.json`: large-M GEMM rate (median over shapes at M >= 2048),
+        small-M weight-streaming rate (median at M <= 64), causal prefill attention rate at the longest
+        sequence, best decode-attention KV streaming rate."""
+        cal = json.loads((HARDWARE_DIR / f"{hardware}.json").read_text())
+        gemm = [row["TFLOPs"] for rows in cal["gemm_bf16"].values() for row in rows if row["M"] >= 2048]
+        stream = [row["GBps"] for rows in cal["gemm_bf16"].values() for row in rows if row["M"] <= 64]
+        attn = max(cal["prefill_attention_causal_h64_d128"], key=lambda r: r["S"])["TFLOPs"]
+        kv = max(r["kv_GBps"] for r in cal["decode_attention_gqa64_8_h128"])
+        return GpuRates(
+            gemm_flops=statistics.median(gemm) * 1e12,
+            attention_flops=attn * 1e12,
+            weight_stream_bytes_per_s=statistics.median(stream) * 1e9,
+            kv_stream_bytes_per_s=kv * 1e9,
+        )
+
+
+class ServiceTime(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The topology's `router.service_time`: what one replica is, for the routing cost's estimates."""
+
+    hardware: Hardware = "h200"
+    gpus_per_replica: PositiveInt = 8
+    # The decode engines' token budget per step (their vLLM max_num_batched_tokens; vLLM's default on
+    # H100/H200-class GPUs): how a prefill on a decode replica is chunked between its decode steps.
+    decode_chunk_tokens: PositiveInt = 8192
+    model: ModelShape = msgspec.field(default_factory=ModelShape)
+
+    def timing(self) -> ServiceTimeModel:
+        return ServiceTimeModel(
+            shape=self.model,
+            rates=GpuRates.measured(self.hardware),
+            gpus_per_replica=self.gpus_per_replica,
+            chunk_tokens=self.decode_chunk_tokens,
+        )
+
+
+class ServiceTimeModel(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    shape: ModelShape = msgspec.field(default_factory=ModelShape)
+    rates: GpuRates = msgspec.field(default_factory=GpuRates.measured)
+    gpus_per_replica: PositiveInt = 8
+    # Assumed: fraction of the per-GPU rate a multi-GPU replica keeps (communication, imbalance).
+    parallel_efficiency: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.6
+    prefill_overhead_s: NonNegative = 0.015
+    decode_step_overhead_s: NonNegative = 0.008
+    # Across nodes: 8 x 400 Gb/s InfiniBand. Within a node: 8 x ~450 GB/s NVLink (one direction).
+    link_bytes_per_s: Positive = 400e9
+    same_node_link_bytes_per_s: Positive = 3.6e12
+    transfer_setup_s: NonNegative = 0.002
+    chunk_tokens: PositiveInt = 8192  # ServiceTime.decode_chunk_tokens
+
+    def prefill_s(self, new_tokens: int, cached_tokens: int) -> float:
+        """Seconds to compute `new_tokens` prompt tokens after `cached_tokens` taken from the prefix cache."""
+        if new_tokens <= 0:
+            return self.prefill_overhead_s
+        m, r = self.shape, self.rates
+        scale = self.gpus_per_replica * self.parallel_efficiency
+        linear = 2.0 * m.active_params * new_tokens / (r.gemm_flops * scale)
+        pairs = new_tokens * cached_tokens + new_tokens * (new_tokens + 1) / 2
+        flops_per_pair = 2.0 * m.heads * (m.qk_head_dim + m.v_head_dim) * m.layers
+        attention = flops_per_pair * pairs / (r.attention_flops * scale)
+        return self.prefill_overhead_s + linear + attention
+
+    def tpot_s(self, batch: int, context_tokens: int) -> float:
+        """Seconds per decode step of a batch of `batch` sequences holding `context_tokens` KV tokens."""
+        if batch <= 0:
+            return self.decode_step_overhead_s
+        m, r = self.shape, self.rates
+        untouched = (1.0 - m.experts_per_token / m.num_experts) ** batch
+        expert_params = m.total_params - m.dense_params
+        weight_bytes = (m.dense_params + expert_params * (1.0 - untouched)) * m.weight_bytes_per_param
+        weights = weight_bytes / (r.weight_stream_bytes_per_s * self.gpus_per_replica)
+        kv = context_tokens * m.kv_bytes_per_token / (r.kv_stream_bytes_per_s * self.gpus_per_replica)
+        return self.decode_step_overhead_s + weights + kv
+
+    def mixed_prefill(
+        self,
+        new_tokens: int,
+        cached_tokens: int,
+        batch: int,
+        context_tokens: int,
+        *,
+        prefill_s: float | None = None,
+        tpot_s: float | None = None,
+    ) -> tuple[int, float]:
+        """(steps, seconds per step) of a prefill on a decode replica running `batch` sequences of
+        `context_tokens`: vLLM's chunked prefill fills each step's token budget (`chunk_tokens`, less one
+        token per running sequence) with prompt tokens, so the prompt takes ceil(new / chunk) steps, each
+        about the larger of the decode step and its share of the prefill (both bound by the same GPUs, a
+        mixed step is as slow as its slower part). Every running sequence makes one token per step.
+        `prefill_s`, `tpot_s`: the prefill's and the batch's decode step's seconds, when already known."""
+        prefill = self.prefill_s(new_tokens, cached_tokens) if prefill_s is None else prefill_s
+        tpot = self.tpot_s(batch, context_tokens) if tpot_s is None else tpot_s
+        chunk = max(1, self.chunk_tokens - batch)
+        steps = max(1, -(-new_tokens // chunk))
+        return steps, max(tpot, prefill / steps)
+
+    def transfer_s(self, tokens: int, same_node: bool = False) -> float:
+        """Seconds to move `tokens` tokens of KV from a prefill to a decode replica."""
+        if tokens <= 0:
+            return 0.0
+        link = self.same_node_link_bytes_per_s if same_node else self.link_bytes_per_s
+        return self.transfer_setup_s + tokens * self.shape.kv_bytes_per_token / link

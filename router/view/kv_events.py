@@ -1,0 +1,392 @@
+"""vLLM KV cache events: wire decoding and an async subscriber that keeps a `KvIndex` in sync with one engine.
+
+Wire format (vLLM 0.32, `vllm/distributed/kv_events.py`, `ZmqEventPublisher`):
+- PUB socket, multipart `(topic, seq, payload)`: `seq` is an 8-byte big-endian counter starting at 0 when the
+  publisher starts (so a lower sequence number means the engine restarted);
+- payload: msgpack `[ts, [event, ...], data_parallel_rank]` (`EventBatch`, array-like);
+- each event is a tagged msgspec struct. vLLM 0.32 encodes it as a map with a `"type"` key
+  (`{"type": "BlockStored", "block_hashes": [...], ...}`); older releases (and DESIGN.md) encode it as an
+  array `["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name,
+  extra_keys, group_idx, ...]`, `["BlockRemoved", block_hashes, medium, group_idx, ...]`,
+  `["AllBlocksCleared"]`. Both are accepted; fields added by newer releases are ignored.
+- Block hashes are ints (default, `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1`) or raw bytes; bytes are normalised
+  to the int vLLM itself would publish (low 64 bits of the big-endian value).
+- Replay: a ROUTER socket; a client sends `(b"", start_seq as 8-byte big-endian)` and receives, for every
+  buffered batch with `seq >= start_seq`, `(b"", topic, seq, payload)`, then an end marker
+  `(b"", b"", seq=-1 (signed), b"")`. The buffer holds the last `buffer_steps` batches (default 10,000).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+logger = logging.getLogger(__name__)
+
+_U64 = (1 << 64) - 1
+END_SEQ = -1
+
+
+class BlockStored(msgspec.Struct, frozen=True, kw_only=True):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    lora_name: str | None = None
+    medium: str | None = None
+    group_idx: int | None = None
+    # True when some block's engine hash covers more than its tokens (multimodal features, cache salt,
+    # prompt embeddings): the router's token-only hash cannot identify such blocks.
+    has_extra_keys: bool = False
+
+
+class BlockRemoved(msgspec.Struct, frozen=True, kw_only=True):
+    block_hashes: list[int]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+class AllBlocksCleared(msgspec.Struct, frozen=True, kw_only=True):
+    medium: str | None = None
+
+
+KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class KvEventBatch(msgspec.Struct, frozen=True, kw_only=True):
+    seq: int
+    ts: float
+    events: list[KvEvent]
+    dp_rank: int | None = None
+    # Events of a type this decoder does not know (a newer vLLM); they are skipped.
+    unknown_events: int = 0
+
+
+class KvEventDecodeError(ValueError):
+    """A message that is not a vLLM KV event batch."""
+
+
+def engine_hash(value: int | bytes) -> int:
+    """Normalise an engine block hash to an int, exactly as vLLM does when it publishes int hashes."""
+    if isinstance(value, int):
+        return value
+    if isinstance(value, bytes | bytearray):
+        return int.from_bytes(value, "big") & _U64
+    raise KvEventDecodeError(f"block hash must be int or bytes, got {type(value).__name__}")
+
+
+def _hashes(values: Any) -> list[int]:
+    if not isinstance(values, list):
+        raise KvEventDecodeError("block_hashes must be a list")
+    return [engine_hash(v) for v in values]
+
+
+def _get(fields: Sequence[Any], i: int) -> Any:
+    return fields[i] if i < len(fields) else None
+
+
+# Field order of the array form (tag first), used to read both encodings through one code path.
+_STORED_FIELDS = (
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+    "extra_keys",
+    "group_idx",
+)
+_REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
+
+
+def _as_map(raw: Any) -> tuple[str, dict[str, Any]]:
+    if isinstance(raw, dict):
+        kind = raw.get("type")
+        if not isinstance(kind, str):
+            raise KvEventDecodeError("event map without a string 'type'")
+        return kind, raw
+    if isinstance(raw, list) and raw and isinstance(raw[0], str):
+        kind = raw[0]
+        names = _STORED_FIELDS if kind == "BlockStored" else _REMOVED_FIELDS if kind == "BlockRemoved" else ()
+        return kind, {name: _get(raw, i + 1) for i, name in enumerate(names)}
+    raise KvEventDecodeError(f"event must be a tagged map or array, got {type(raw).__name__}")
+
+
+def _decode_event(raw: Any) -> KvEvent | None:
+    kind, f = _as_map(raw)
+    if kind == "BlockStored":
+        token_ids = f.get("token_ids")
+        block_size = f.get("block_size")
+        if not isinstance(token_ids, list) or not isinstance(block_size, int):
+            raise KvEventDecodeError("BlockStored needs token_ids (list) and block_size (int)")
+        parent = f.get("parent_block_hash")
+        extra = f.get("extra_keys")
+        return BlockStored(
+            block_hashes=_hashes(f.get("block_hashes")),
+            parent_block_hash=None if parent is None else engine_hash(parent),
+            token_ids=token_ids,
+            block_size=block_size,
+            lora_id=f.get("lora_id"),
+            lora_name=f.get("lora_name"),
+            medium=f.get("medium"),
+            group_idx=f.get("group_idx"),
+            has_extra_keys=isinstance(extra, list) and any(k is not None for k in extra),
+        )
+    if kind == "BlockRemoved":
+        return BlockRemoved(
+            block_hashes=_hashes(f.get("block_hashes")), medium=f.get("medium"), group_idx=f.get("group_idx")
+        )
+    if kind == "AllBlocksCleared":
+        return AllBlocksCleared(medium=f.get("medium"))
+    return None
+
+
+_payload_decoder = msgspec.msgpack.Decoder()
+
+
+def decode_payload(payload: bytes, seq: int = 0) -> KvEventBatch:
+    """Decode one msgpack event batch `[ts, [events...], dp_rank]`."""
+    try:
+        raw = _payload_decoder.decode(payload)
+    except msgspec.DecodeError as e:
+        raise KvEventDecodeError(f"not msgpack: {e}") from e
+    if not isinstance(raw, list) or len(raw) < 2 or not isinstance(raw[1], list):
+        raise KvEventDecodeError("payload must be [ts, [events...], dp_rank]")
+    events: list[KvEvent] = []
+    unknown = 0
+    for item in raw[1]:
+        ev = _decode_event(item)
+        if ev is None:
+            unknown += 1
+        else:
+            events.append(ev)
+    dp_rank = raw[2] if len(raw) > 2 else None
+    return KvEventBatch(seq=seq, ts=float(raw[0]), events=events, dp_rank=dp_rank, unknown_events=unknown)
+
+
+def decode_seq(frame: bytes) -> int:
+    if len(frame) != 8:
+        raise KvEventDecodeError(f"sequence frame must be 8 bytes, got {len(frame)}")
+    return int.from_bytes(frame, "big", signed=True)
+
+
+def decode_message(frames: Sequence[bytes]) -> KvEventBatch:
+    """Decode one PUB message `(topic, seq, payload)`."""
+    if len(frames) != 3:
+        raise KvEventDecodeError(f"expected 3 frames (topic, seq, payload), got {len(frames)}")
+    return decode_payload(frames[2], decode_seq(frames[1]))
+
+
+class SeqVerdict(enum.Enum):
+    APPLY = "apply"  # next in sequence
+    DUPLICATE = "duplicate"  # already applied (seen through replay)
+    GAP = "gap"  # batches between the last applied one and this one were lost
+    RESTART = "restart"  # the sequence went backwards: the publisher (engine) restarted
+
+
+class SequenceTracker:
+    """Pure bookkeeping of one publisher's sequence numbers.
+
+    After a replay, live messages that the replay already delivered arrive again on the SUB socket; they lie
+    in the window (sequence that triggered the replay, last replayed sequence] and are duplicates, not a
+    restart. Any other sequence number at or below the last applied one means the publisher restarted from 0.
+    """
+
+    def __init__(self) -> None:
+        self.last = -1  # last applied sequence number; -1 before the first batch
+        self._dup_lo = 0
+        self._dup_hi = -1
+
+    def classify(self, seq: int) -> SeqVerdict:
+        if self._dup_lo < seq <= self._dup_hi:
+            return SeqVerdict.DUPLICATE
+        if seq > self._dup_hi:
+            self._dup_hi = -1  # past the replayed window: it can no longer produce duplicates
+        if seq == self.last + 1:
+            return SeqVerdict.APPLY
+        if seq > self.last + 1:
+            return SeqVerdict.GAP
+        return SeqVerdict.RESTART
+
+    def applied(self, seq: int) -> None:
+        self.last = seq
+
+    def replayed(self, trigger_seq: int) -> None:
+        """A replay triggered by live `trigger_seq` brought `last` up to date."""
+        self._dup_lo, self._dup_hi = trigger_seq, self.last
+
+    def reset(self) -> None:
+        self.last = -1
+        self._dup_hi = -1
+
+
+class SubscriberStats(msgspec.Struct, kw_only=True):
+    batches: int = 0
+    events: int = 0
+    duplicates: int = 0
+    gaps: int = 0
+    replayed_batches: int = 0
+    # Gaps the publisher's replay buffer could not fill (or no replay socket): the replica was cleared.
+    unrecoverable_gaps: int = 0
+    restarts: int = 0
+    decode_errors: int = 0
+    unknown_events: int = 0
+
+
+class EventSink(Protocol):
+    """Where one engine's decoded events go (`router.view.kv_index.KvIndex`)."""
+
+    def apply(self, replica_id: str, event: KvEvent) -> None: ...
+
+    def clear_replica(self, replica_id: str) -> None: ...
+
+
+class KvEventSubscriber:
+    """Subscribes to one engine's KV event publisher and applies its events to `index` under `replica_id`.
+
+    Lost batches (a sequence gap) are fetched from the publisher's replay socket; when they cannot be (no
+    replay endpoint, timeout, or the replay buffer no longer holds them) the replica is cleared, because an
+    index that missed removals would promise cache hits the engine cannot give (the safe error is to
+    under-predict). A sequence that goes backwards is an engine restart: the replica is cleared and the new
+    stream is followed from its start (replaying what the new publisher already sent).
+
+    `run()` loops until cancelled; cancelling closes the sockets. The index is only touched from this
+    coroutine's event loop, so no locking is needed when every subscriber and the router share one loop.
+    """
+
+    def __init__(
+        self,
+        replica_id: str,
+        endpoint: str,
+        replay_endpoint: str | None,
+        index: EventSink,
+        *,
+        topic: str = "",
+        replay_timeout_s: float = 2.0,
+        context: zmq.asyncio.Context | None = None,
+    ) -> None:
+        self.replica_id = replica_id
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self.index = index
+        self.topic = topic
+        self.replay_timeout_s = replay_timeout_s
+        self.stats = SubscriberStats()
+        self._ctx = context or zmq.asyncio.Context.instance()
+        self._seq = SequenceTracker()
+        self._sub: zmq.asyncio.Socket | None = None
+        self._connected = asyncio.Event()
+
+    async def wait_connected(self) -> None:
+        """Returns once the SUB socket is connected (a PUB drops what it sends before that)."""
+        await self._connected.wait()
+
+    async def run(self) -> None:
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
+        sub.connect(self.endpoint)
+        self._sub = sub
+        self._connected.set()
+        try:
+            while True:
+                frames = await sub.recv_multipart()
+                await self._on_message(frames)
+        finally:
+            sub.close(linger=0)
+            self._sub = None
+
+    async def _on_message(self, frames: list[bytes]) -> None:
+        try:
+            batch = decode_message(frames)
+        except KvEventDecodeError as e:
+            self.stats.decode_errors += 1
+            logger.warning("replica %s: undecodable KV event message: %s", self.replica_id, e)
+            return
+        verdict = self._seq.classify(batch.seq)
+        if verdict is SeqVerdict.DUPLICATE:
+            self.stats.duplicates += 1
+            return
+        if verdict is SeqVerdict.RESTART:
+            self.stats.restarts += 1
+            logger.info(
+                "replica %s: KV event sequence reset (%d -> %d): engine restarted",
+                self.replica_id,
+                self._seq.last,
+                batch.seq,
+            )
+            self.index.clear_replica(self.replica_id)
+            self._seq.reset()
+            verdict = self._seq.classify(batch.seq)
+        if verdict is SeqVerdict.GAP:
+            self.stats.gaps += 1
+            await self._recover(batch.seq)
+            if self._seq.last >= batch.seq:
+                return  # the replay delivered this batch too
+        self._apply(batch)
+
+    async def _recover(self, trigger_seq: int) -> None:
+        """Fetch batches last+1 .. trigger_seq from the replay socket and apply them."""
+        start = self._seq.last + 1
+        replayed = await self._fetch_replay(start) if self.replay_endpoint else None
+        if replayed is None or not replayed or replayed[0].seq != start:
+            # The missing range is gone for good: forget what this replica holds rather than trust it.
+            self.stats.unrecoverable_gaps += 1
+            logger.warning(
+                "replica %s: KV events %d..%d lost and not replayable; clearing the replica",
+                self.replica_id,
+                start,
+                trigger_seq - 1,
+            )
+            self.index.clear_replica(self.replica_id)
+            if not replayed:
+                self._seq.last = trigger_seq - 1
+                return
+            self._seq.last = replayed[0].seq - 1
+        for batch in replayed:
+            if batch.seq == self._seq.last + 1:
+                self.stats.replayed_batches += 1
+                self._apply(batch)
+        self._seq.replayed(trigger_seq)
+
+    async def _fetch_replay(self, start: int) -> list[KvEventBatch] | None:
+        """All buffered batches from `start` on, or None on timeout/error."""
+        assert self.replay_endpoint is not None
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.replay_endpoint)
+        out: list[KvEventBatch] = []
+        try:
+            await sock.send_multipart((b"", start.to_bytes(8, "big")))
+            async with asyncio.timeout(self.replay_timeout_s):
+                while True:
+                    frames = await sock.recv_multipart()
+                    # (b"", topic, seq, payload); the end marker has seq == -1
+                    if len(frames) != 4:
+                        raise KvEventDecodeError(f"replay reply with {len(frames)} frames")
+                    seq = decode_seq(frames[2])
+                    if seq == END_SEQ:
+                        return out
+                    out.append(decode_payload(frames[3], seq))
+        except (TimeoutError, KvEventDecodeError, zmq.ZMQError) as e:
+            logger.warning("replica %s: KV event replay from %d failed: %r", self.replica_id, start, e)
+            return None
+        finally:
+            sock.close(linger=0)
+
+    def _apply(self, batch: KvEventBatch) -> None:
+        self.stats.batches += 1
+        self.stats.events += len(batch.events)
+        self.stats.unknown_events += batch.unknown_events
+        for ev in batch.events:
+            self.index.apply(self.replica_id, ev)
+        self._seq.applied(batch.seq)

@@ -1,0 +1,189 @@
+"""pdserve's gRPC server in this test process, on its own port: the real service (validation, the built-in
+model's tokenizer and chat template, router, error mapping, TLS and token auth), with a stand-in decode pool
+that streams two tokens for any request. For tests of the endpoint itself; tests/e2e runs real engines."""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+import threading
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from grpc_health.v1 import health_pb2
+from ports import free_port
+
+from engine.messages import EngineRequest, TokenBatch
+from engine.tiny_model import ensure_tiny_model
+from pdserve_client.api import pdserve_pb2 as pb
+from router.config import LiveConfig
+from router.decision.decider import Decider
+from router.doors.grpc_service import PdserveService, start_grpc_server
+from router.doors.openai_http import HttpServer, build_app
+from router.generate import GeneratePath
+from router.intake.chat_encoder import SessionChatEncoder
+from router.intake.output_parser import OutputParsers
+from router.intake.prompt import PromptIntake
+from router.intake.tokenizer import PromptTokenizer
+from router.intake.validation import ModelLimits
+from router.legs.orchestrator import Orchestrator
+from router.metrics import RouterMetrics
+from router.policy.selector import PdservePolicy
+from router.view.cluster_view import ClusterView
+
+
+class _Registry:
+    """No replica registered: the router lets the (stand-in) pool choose."""
+
+    class _Call:
+        def __init__(self, value: Any) -> None:
+            self.value = value
+
+        def remote(self, *args: Any) -> Any:
+            async def answer() -> Any:
+                return self.value
+
+            return answer()
+
+    snapshot = _Call([])
+    report_failed = _Call(None)
+
+
+class _Decode:
+    """Streams `output` (text pieces, one batch each; default "a", "b" as ids 5, 6) for any request, and
+    records the requests it got in `seen`."""
+
+    def __init__(
+        self, tokenizer: PromptTokenizer, output: list[str] | None, seen: list[EngineRequest]
+    ) -> None:
+        if output is None:
+            self._batches = [([5], "a"), ([6], "b")]
+        else:
+            self._batches = [(tokenizer.encode_rendered(text), text) for text in output]
+        self._seen = seen
+
+    def options(self, stream: bool) -> _Decode:
+        return self
+
+    @property
+    def generate(self) -> _Decode:
+        return self
+
+    def remote(
+        self, req: EngineRequest, replica_hint: str | None = None, replica_avoid: tuple[str, ...] = ()
+    ) -> Any:
+        self._seen.append(req)
+        return _Stream(req, self._batches)
+
+
+class _Stream:
+    def __init__(self, req: EngineRequest, batches: list[tuple[list[int], str]]) -> None:
+        self.req = req
+        self._batches = batches
+
+    def __aiter__(self) -> AsyncIterator[TokenBatch]:
+        return self._gen()
+
+    async def _gen(self) -> AsyncIterator[TokenBatch]:
+        *first, (last_ids, last_text) = self._batches
+        for ids, text in first:
+            yield TokenBatch(token_ids=ids, text=text, replica_id="D1")
+        yield TokenBatch(
+            token_ids=last_ids,
+            text=last_text,
+            finish_reason="stop",
+            num_prompt_tokens=len(self.req.prompt_token_ids),
+            replica_id="D1",
+            node_id="n1",
+        )
+
+    def cancel(self) -> None:
+        return None
+
+
+async def _no_replicas() -> list[pb.Replica]:
+    return []
+
+
+def generate_path(
+    tokenizer: PromptTokenizer, decode: Any, view: ClusterView, *, tool_parser: str | None = None
+) -> GeneratePath:
+    """The request path as the router process builds it, with no prefill pool and `decode` as the pool."""
+    metrics = RouterMetrics()
+    return GeneratePath(
+        intake=PromptIntake(
+            tokenizer=tokenizer,
+            chat_encoder=SessionChatEncoder(tokenizer),
+            parsers=OutputParsers(tokenizer.hf_tokenizer, tool_parser, None),
+            limits=ModelLimits(served_name="tiny-llama", max_model_len=2048, vocab_size=tokenizer.vocab_size),
+            metrics=metrics,
+        ),
+        decider=Decider(
+            view=view, policy=PdservePolicy(), block_size=32, has_prefill_pool=False, config=LiveConfig()
+        ),
+        legs=Orchestrator(None, decode, block_size=32, config=LiveConfig()),
+        metrics=metrics,
+    )
+
+
+@contextmanager
+def endpoint(
+    *,
+    tls: tuple[bytes, bytes] | None = None,
+    auth_token: str | None = None,
+    output: list[str] | None = None,
+    seen: list[EngineRequest] | None = None,
+    http_port: int | None = None,
+) -> Iterator[str]:
+    """Serve on 127.0.0.1 (in a thread with its own event loop) until the block ends; yields host:port. The
+    stand-in decode pool streams `output` and appends the engine requests it gets to `seen`. With
+    `http_port`, the OpenAI HTTP door listens there too."""
+    model_dir = ensure_tiny_model()
+    port = free_port()
+    started = threading.Event()
+    stop: list[asyncio.Event] = []
+
+    async def serve() -> None:
+        tokenizer = PromptTokenizer(model_dir)
+        decode = _Decode(tokenizer, output, [] if seen is None else seen)
+        path = generate_path(tokenizer, decode, ClusterView(_Registry(), block_size=32), tool_parser="hermes")
+        service = PdserveService(path, block_size=32, cluster_status=_no_replicas)
+        server, health = await start_grpc_server(
+            service, host="127.0.0.1", port=port, tls=tls, auth_token=auth_token
+        )
+        await health.set("", health_pb2.HealthCheckResponse.SERVING)
+        http = None
+        if http_port is not None:
+            app = build_app(
+                path,
+                served_name="tiny-llama",
+                max_model_len=2048,
+                serving=lambda: True,
+                auth_token=auth_token,
+            )
+            files = None
+            if tls is not None:  # uvicorn reads the key and certificate from files
+                folder = Path(tempfile.mkdtemp(prefix="pdserve-tls-"))
+                (folder / "key.pem").write_bytes(tls[0])
+                (folder / "cert.pem").write_bytes(tls[1])
+                files = (str(folder / "key.pem"), str(folder / "cert.pem"))
+            http = HttpServer(app, "127.0.0.1", http_port, tls=files)
+            await http.start()
+        stop.append(asyncio.Event())
+        started.set()
+        await stop[0].wait()
+        if http is not None:
+            await http.stop()
+        await server.stop(grace=None)
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_until_complete, args=(serve(),), daemon=True)
+    thread.start()
+    assert started.wait(120), "the in-process server did not start"
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        loop.call_soon_threadsafe(stop[0].set)
+        thread.join(timeout=30)

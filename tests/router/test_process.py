@@ -1,0 +1,90 @@
+"""The router process routes with the topology's router section and follows a new one in place."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import pytest
+
+from cluster.topology import Topology, served_model
+from cluster.topology_file import parse_topology
+from engine.messages import Sampling, StreamBatch
+from engine.tiny_model import ensure_tiny_model
+from router import process as app
+from router.config import RouterConfig
+from router.errors import Overloaded
+from router.process import RouterProcess
+
+
+class _Handle:
+    """Stands in for a Serve deployment handle (nothing is called in these tests)."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise AssertionError(f"unexpected call {name}")
+
+
+@pytest.fixture
+def process(monkeypatch: pytest.MonkeyPatch) -> RouterProcess:
+    monkeypatch.setattr(app.serve, "get_deployment_handle", lambda *a, **k: _Handle())
+    topo = parse_topology("router: {local_prefill_max_tokens: 64, stream_batch_tokens: 4}")
+    return RouterProcess(
+        served_model(topo.model),
+        topo.router,
+        topo.server,
+        model_dir=ensure_tiny_model(),
+        app_name="pdserve",
+        has_prefill=True,
+    )
+
+
+def test_the_router_section_reaches_the_policy_and_the_request_path(process: RouterProcess) -> None:
+    assert process.policy.config.local_prefill_max_tokens == 64
+    assert process.legs._stream() == StreamBatch(tokens=4, ms=20.0)
+    assert process.view.load.timing == Topology().router.service_time.timing()
+
+
+def test_every_router_setting_applies_in_place(process: RouterProcess) -> None:
+    # A session placed before the change keeps its state: nothing restarts.
+    process.policy._remember("s", None, "d0", None)
+    assert process.policy.sessions is process.sessions
+    changed = msgspec.convert(
+        {
+            "mode": "disaggregate",
+            "prefill_weight": 9,
+            "overload_queue_tokens": 10,
+            "stream_batch_tokens": 2,
+            "stream_batch_ms": 5,
+            "failover_attempts": 0,
+            "service_time": {"gpus_per_replica": 4},
+        },
+        RouterConfig,
+    )
+    process.reconfigure(changed)
+    assert process.config.current == changed
+    assert process.policy.config == changed and process.policy.weights.prefill == 9.0
+    assert process.view.load.timing == changed.service_time.timing()
+    assert process.legs._stream() == StreamBatch(tokens=2, ms=5.0)
+    # Admission reads the new limit at the next request.
+    with pytest.raises(Overloaded, match="limit 10"):
+        process.decider._admit("r0", 8, None, None)
+        process.decider.route("r1", None, list(range(8)), Sampling(max_tokens=1))
+    assert "s" in process.sessions
+
+
+def test_status_says_ready_only_once_this_router_routes_to_the_replica() -> None:
+    from replicas import replica_info
+
+    info = replica_info("d1", ready=True)
+    state = {
+        (routed, failed): app._replica_status(info, routed=routed, failed=failed).state
+        for routed in (True, False)
+        for failed in (True, False)
+    }
+    # Registered but not yet in the router's view: STARTING; seen failing by the router: FAILED at once.
+    assert state == {
+        (True, False): "READY",
+        (False, False): "STARTING",
+        (True, True): "FAILED",
+        (False, True): "FAILED",
+    }
