@@ -23,10 +23,10 @@ from ray.serve import Application
 from cluster.registry import Registry
 from cluster.router_replica import ROUTER, RouterReplica
 from cluster.topology import Pool, Topology
-from decode.server import DecodeServer
+from decode.decode_replica import DecodeReplica
 from engine.replica import EngineReplica
 from engine.spec import EngineSpec
-from prefill.server import PrefillServer
+from prefill.prefill_replica import PrefillReplica
 
 
 def engine_spec(topo: Topology, role: str) -> EngineSpec:
@@ -88,7 +88,7 @@ def app_args(topo: Topology, *, serve_router: bool = False) -> dict[str, Any]:
 
 
 def build_app(args: dict[str, Any]) -> Application:
-    servers: dict[str, type[EngineReplica]] = {"prefill": PrefillServer, "decode": DecodeServer}
+    servers: dict[str, type[EngineReplica]] = {"prefill": PrefillReplica, "decode": DecodeReplica}
     pools = [serve.deployment(name=role)(servers[role]).bind() for role in args["roles"]]
     registry = serve.deployment(name="registry", ray_actor_options={"num_cpus": 0})(Registry).bind(*pools)
     if not args.get("router"):

@@ -1,4 +1,4 @@
-"""Python client SDK for agent backends: pdserve's gRPC API with plain-dict chat messages.
+"""The Python SDK for agent backends: pdserve's gRPC API with plain-dict chat messages.
 
 `PdserveClient` is synchronous (a `grpc.Channel`), `AsyncPdserveClient` uses `grpc.aio`; both have the same
 methods. Chat messages and tools are plain dicts in the OpenAI shape:

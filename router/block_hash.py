@@ -9,10 +9,8 @@ Hash: block i's hash is CPython's `hash((hash_{i-1}, *tokens_of_block_i))` with 
 block. For a tuple of ints this is a 64-bit xxHash-style mix that does not depend on PYTHONHASHSEED (only
 str/bytes hashing is salted), so it is stable across processes of the same CPython build. Router hashes are
 only ever compared inside one router process (index and prompts hashed by the same code), never persisted or
-sent over the wire, so that is all the stability needed. Measured on the 2-core dev machine
-(bench/routing_decision.py prints it): ~0.19 ms for an 8k-token prompt at block size 16, faster than blake2b
-per block (~0.44 ms) or a vectorised numpy mix (~0.28 ms, dominated by converting the Python list to an
-array).
+sent over the wire, so that is all the stability needed. It is also the fastest of the hashes tried
+(docs/benchmarks.md, "The router's own costs").
 
 It is not collision-resistant against an adversary; a collision only misleads a routing decision (the engine's
 own prefix cache decides what is reused), so that is an accepted risk.

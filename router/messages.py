@@ -3,7 +3,7 @@
 intake -> decision: `PromptReuse` (which prompt ids a session's turn copied from its previous turn).
 decision <-> policy: `RouteRequest`, `ReplicaView`, `Readback` in; `Decision` (with its cost `Terms`) out.
 decision -> legs: `Route` (where the legs go, what they pull, export and pin).
-legs -> the request path: `Completion` (the summary after the last token).
+legs -> the request path: `RequestSummary` (the summary after the last token).
 the request path -> the doors: `OutputDelta` per streamed batch (`ParsedDelta`: content, reasoning, tool
 calls), then one `Finished`.
 The trace replay (bench/replay) speaks the same policy messages.
@@ -160,7 +160,7 @@ class Route(msgspec.Struct, frozen=True, kw_only=True):
     avoid: tuple[str, ...] = ()
 
 
-class Completion(msgspec.Struct, kw_only=True):
+class RequestSummary(msgspec.Struct, kw_only=True):
     """The summary after the last token: what the gRPC layer puts in `final`."""
 
     finish_reason: FinishReason
@@ -218,4 +218,4 @@ class Finished(msgspec.Struct, kw_only=True):
 
     parsed: ParsedDelta
     finish_reason: str
-    completion: Completion
+    completion: RequestSummary

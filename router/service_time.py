@@ -1,32 +1,10 @@
 """How long a prefill, a decode step and a KV transfer take on one replica: the single time model behind the
 routing cost (`router.policy.cost`) and the trace replay's simulated engines (`bench.replay.sim`).
 
-The router estimates with the same formula the replay charges, so a policy decision is scored in the units the
-benchmark measures (seconds) and a mismatch between belief and simulated cost can only come from what the
-router does not know (cache state at prefill start, queue contents), not from two different formulas.
-
-The modelled replica (`ServiceTime`, the topology's `router.service_time`): `gpus_per_replica` GPUs of a named
-`hardware` serving a model of a given shape (`ModelShape`; the default is DeepSeek-V3: 671B MoE, 37B active
-parameters, MLA attention, 61 layers, 128 heads). The per-GPU rates are measured data,
-`router/hardware/<hardware>.json` (`GpuRates.measured`):
-
-- Prefill = per-request overhead + linear layers + causal attention, both compute-bound:
-  * linear: 2 x active_params FLOPs per new token, at the measured large-M bf16 GEMM rate (median over the
-    calibration's GEMM shapes at M >= 2048) x gpus x `parallel_efficiency` (TP/EP communication);
-  * attention: for `n` new tokens after `c` cached ones, n*c + n(n+1)/2 (query, key) pairs, each 4 x heads x
-    (qk_dim + v_dim)/2 x layers FLOPs (MLA prefill runs un-absorbed: q/k 192, v 128), at the measured causal
-    prefill attention rate (largest sequence length) x gpus x efficiency. This term is why a turn with a
-    long cached context still costs: the new tokens attend to all of it, and why a miss on a 100k-token
-    context costs ~25x a hit.
-- Decode step (TPOT) for a batch of B sequences holding K context tokens: step overhead + expert/dense
-  weight bytes touched by B tokens (top-k of the experts) streamed at the measured small-M weight-streaming
-  rate + K x kv_bytes_per_token streamed at the measured decode-attention rate.
-- A prefill on a decode replica (`mixed_prefill`): chunked between its decode steps as vLLM schedules it, each
-  mixed step as slow as the larger of the decode step and the chunk.
-- KV transfer P -> D: bytes / link bandwidth (8 x 400 Gb/s InfiniBand per node across nodes; NVLink within a
-  node), plus a fixed setup latency.
-
-The constants that are not measured (efficiency, overheads, links) are named fields of `ServiceTimeModel`.
+The modelled replica is `ServiceTime` (the topology's `router.service_time`): `gpus_per_replica` GPUs of a
+named `hardware`, whose measured per-GPU rates are router/hardware/<hardware>.json, serving a model of a
+given shape (`ModelShape`; default DeepSeek-V3). The formulas and what is measured against assumed:
+docs/routing.md ("The service-time model").
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@
                                                            turn by turn with their think/tool gaps
     pdserve bench --side-by-side --mode sweep              pdserve P/D, pdserve aggregated and a plain
                                                            `vllm serve`, started here in turn, with ratios
+    pdserve bench --side-by-side aggregated@REV,aggregated  before (git revision REV) against after
 
 Workload: `--input-len` / `--output-len` (fixed:N, normal:MEAN,STD, lognormal:MEAN,SIGMA), shared prefixes
 (`--prefix-groups G --prefix-len L`). Warm-up requests (`--warmup`) are sent first and not counted. Reports
@@ -41,7 +42,7 @@ from bench.live.progress import Progress
 from bench.live.report import DEFAULT_SLO, RunResult, ratios, summarize, table
 from bench.live.runner import Send, Timed, closed_loop, open_loop, session_loop
 from bench.live.sessions import plan_sessions
-from bench.live.systems import REPO, SYSTEMS, started
+from bench.live.systems import REPO, SYSTEMS, known, started
 from bench.live.targets import Served, TargetError, open_target
 from bench.live.workload import Lengths, Request, Workload
 from bench.replay.traces import DEFAULT_TRACES_DIR
@@ -101,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
         const=list(SYSTEMS),
         default=None,
         metavar="SYSTEMS",
-        help=f"start each system here in turn, the same workload on each (default {','.join(SYSTEMS)})",
+        help=f"start each system here in turn, the same workload on each (default {','.join(SYSTEMS)}; "
+        "pd@REV, aggregated@REV: this repository at git revision REV)",
     )
     p.add_argument(
         "--topology",
@@ -142,8 +144,12 @@ _slo = _typed(Slo.given)
 
 def _parse_systems(text: str) -> list[str]:
     chosen = text.split(",")
-    if unknown := [s for s in chosen if s not in SYSTEMS]:
-        raise ValueError(f"unknown system {', '.join(unknown)}: choose from {', '.join(SYSTEMS)}")
+    if unknown := [s for s in chosen if not known(s)]:
+        raise ValueError(
+            f"unknown system {', '.join(unknown)}: choose from {', '.join(SYSTEMS)}, pd@REV or aggregated@REV"
+        )
+    if len(set(chosen)) != len(chosen):
+        raise ValueError("each system once")
     return chosen
 
 

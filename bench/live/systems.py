@@ -6,14 +6,20 @@
 - `vllm`: a plain `vllm serve` (vLLM's OpenAI server) of the same model, with the engine arguments and the
   core binding pdserve's aggregated decode engine gets: the baseline without pdserve's router and Serve.
 
+A pdserve system named `NAME@REV` (e.g. `aggregated@0b48427`) runs this repository as of git revision REV
+(extracted with `git archive`, its packages first on PYTHONPATH, so the router, engines and CLI are all that
+revision's): before against after in one run, on the same machine and workload.
+
 Each is a context manager that yields the address to benchmark once the system serves, and stops it after.
 """
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
+import tarfile
 import tempfile
 import threading
 import time
@@ -35,13 +41,19 @@ READY_TIMEOUT_S = 600.0
 
 
 class LocalCluster:
-    """`pdserve up -f topology` in a subprocess, ready once it prints its ready line; `down()` stops it."""
+    """`pdserve up -f topology` in a subprocess, ready once it prints its ready line; `down()` stops it.
+    `env`: the environment of both commands (default: this process's)."""
 
-    def __init__(self, topology: Path) -> None:
+    def __init__(self, topology: Path, env: dict[str, str] | None = None) -> None:
         self.ready_s = 0.0
+        self.env = env
         started = time.monotonic()
         self.proc = subprocess.Popen(
-            [PDSERVE, "up", "-f", str(topology)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            [PDSERVE, "up", "-f", str(topology)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
         )
         ready = threading.Event()
         self.log: list[str] = []
@@ -60,7 +72,7 @@ class LocalCluster:
         self.ready_s = time.monotonic() - started
 
     def down(self) -> None:
-        subprocess.run([PDSERVE, "down"], capture_output=True, timeout=300)
+        subprocess.run([PDSERVE, "down"], capture_output=True, timeout=300, env=self.env)
         self.proc.wait(timeout=120)
 
 
@@ -91,12 +103,12 @@ def topology(base: Path, overrides: dict[str, Any]) -> dict[str, Any]:
 
 
 @contextmanager
-def pdserve(base: Path, overrides: dict[str, Any]) -> Iterator[str]:
+def pdserve(base: Path, overrides: dict[str, Any], env: dict[str, str] | None = None) -> Iterator[str]:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "topology.yaml"
         topo = topology(base, overrides)
         path.write_text(yaml.safe_dump(topo))
-        cluster = LocalCluster(path)
+        cluster = LocalCluster(path, env)
         try:
             yield f"127.0.0.1:{topo['server']['grpc_port']}"
         finally:
@@ -177,12 +189,37 @@ def _wait_http(url: str, proc: subprocess.Popen[bytes], log: Any) -> None:
     raise TimeoutError(f"vllm serve at {url} not serving after {READY_TIMEOUT_S:.0f} s ({last})")
 
 
+def known(system: str) -> bool:
+    """One of SYSTEMS, or a pdserve system at a revision (`aggregated@REV`)."""
+    name, at, rev = system.partition("@")
+    if at:
+        return name in PDSERVE_SYSTEMS and bool(rev)
+    return name in SYSTEMS
+
+
+@contextmanager
+def revision(rev: str) -> Iterator[dict[str, str]]:
+    """The environment that runs pdserve as of git revision `rev`: its tree extracted beside, first on
+    PYTHONPATH (the installed packages, shared, stay behind it)."""
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", rev], capture_output=True, check=False)
+    if archive.returncode != 0:
+        raise RuntimeError(f"git archive {rev}: {archive.stderr.decode(errors='replace').strip()}")
+    with tempfile.TemporaryDirectory(prefix=f"pdserve-{rev}-") as tmp:
+        with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+            tar.extractall(tmp, filter="data")
+        yield {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [tmp, os.environ.get("PYTHONPATH")]))}
+
+
 @contextmanager
 def started(system: str, base: Path) -> Iterator[str]:
-    """System `system` (one of SYSTEMS) serving; yields the address to benchmark."""
-    if system == "vllm":
+    """System `system` (see `known`) serving; yields the address to benchmark."""
+    name, _, rev = system.partition("@")
+    if name == "vllm":
         with vllm_serve(base) as url:
             yield url
+    elif rev:
+        with revision(rev) as env, pdserve(base, PDSERVE_SYSTEMS[name], env) as target:
+            yield target
     else:
-        with pdserve(base, PDSERVE_SYSTEMS[system]) as target:
+        with pdserve(base, PDSERVE_SYSTEMS[name]) as target:
             yield target

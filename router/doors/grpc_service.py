@@ -23,7 +23,7 @@ from router.doors.auth import BearerToken
 from router.doors.listen import ListenError
 from router.errors import RequestFailed
 from router.generate import GeneratePath, internal_error, served_request_id
-from router.messages import Completion, Finished, OutputDelta, ParsedDelta
+from router.messages import Finished, OutputDelta, ParsedDelta, RequestSummary
 
 _FINISH = {
     "stop": pb.FINISH_REASON_STOP,
@@ -142,7 +142,7 @@ def _message(
     )
 
 
-def _final(c: Completion, reason: str) -> pb.Final:
+def _final(c: RequestSummary, reason: str) -> pb.Final:
     return pb.Final(
         finish_reason=_FINISH.get(reason, pb.FINISH_REASON_UNSPECIFIED),
         stop_reason=c.stop_reason or "",

@@ -1,12 +1,11 @@
 """Incremental tokenization of a session's growing chat prompt.
 
-An agent re-sends its whole conversation every turn, and tokenizing all of it again costs time linear in
-the context: with the built-in tokenizer on this 2-core machine ~2 ms per 1k tokens, ~120 ms at 56k
-tokens, paid before every tool call's first token. A turn's rendered prompt almost always extends the
-previous turn's text (the reply and the tool result are appended), so `SessionChatEncoder` encodes only
-the text from the last added token inside the shared part on, and reuses the previous turn's ids before it.
-Those ids are the previous turn's own int objects, which also makes the router's next-turn prefix check
-(`router.block_hash.SessionHasher`) an identity comparison.
+An agent re-sends its whole conversation every turn, and tokenizing all of it again costs time linear in the
+context, paid before every tool call's first token (docs/benchmarks.md, "The router's own costs"). A turn's
+rendered prompt almost always extends the previous turn's text (the reply and the tool result are appended),
+so `SessionChatEncoder` encodes only the text from the last added token inside the shared part on, and reuses
+the previous turn's ids before it. Those ids are the previous turn's own int objects, which also makes the
+router's next-turn prefix check (`router.block_hash.SessionHasher`) an identity comparison.
 
 Why it is exact. A Hugging Face tokenizer first splits the raw text at its added tokens (`<|im_start|>`
 and the like) and then normalizes, pre-tokenizes and merges each piece between them on its own. If both

@@ -1,9 +1,8 @@
 """Token-id prompts of a session, reused across turns.
 
 A client that sends token ids (an agent framework applying its own chat template, an RL rollout) re-sends
-the whole context every turn. Turning the request's ids into a Python list costs ~270 us for 8k ids (~33 ns
-per id in protobuf's container), checking them against the vocabulary more, and both grow with the
-context: milliseconds per turn at 128k, on the event loop. Most of those ids are the previous turn's.
+the whole context every turn. Converting and checking the ids costs time linear in the context, on the event
+loop (docs/benchmarks.md, "The router's own costs"), and most of them are the previous turn's.
 
 On the wire the ids are one packed field: a string of varints. Varints are self-delimiting, so a payload that
 starts with the previous turn's whole payload decodes to the previous turn's ids followed by new ones, and

@@ -1,25 +1,18 @@
-"""Runs one request through the cluster: the prefill leg (if any), then the decode leg, streaming tokens.
+"""One request's legs: the prefill leg (if any), then the decode leg, streaming tokens.
 
-    (a) no prefill leg: the decode replica prefills locally (no prefill pool, or the router decided the
-        decode replica already holds all but a small suffix of the prompt)
-    (b) prefill leg (max_tokens=1, do_remote_decode) -> kv_transfer_params -> decode leg with those
-        params; the decode engine pulls the KV from the prefill engine over NIXL. With KV readback, the
-        prefill leg first pulls the prefix a decode engine kept pinned from the session's previous turn
-        (`Route.readback_params`), so it computes only the rest. Or (KV export, `Route.export_replica`) the
-        router first asks a decode replica to pin a prefix it holds in its prefix cache (a one-token
-        request there), and the prefill leg pulls that. If the export pins nothing (the replica is gone or
-        Serve sent the call elsewhere, or it did not answer within `export_timeout_s`), the prefill leg
-        computes the prefix itself and the completion says so (`Completion.export`, `note`). Legs reach each
-        prefill replica in decision order (router/legs/leg_order.py), exports or not.
+    (a) no prefill leg: the decode replica prefills locally (no prefill pool, or the route says so)
+    (b) prefill leg (max_tokens=1, do_remote_decode) -> kv_transfer_params -> decode leg with those params:
+        the decode engine pulls the KV over NIXL. The prefill leg may first pull a prefix from a decode
+        engine: the session's pinned previous turn (`Route.readback_params`), or a prefix a decode replica
+        is first asked to pin (`Route.export_replica`; if that pins nothing, prefill computes the prefix and
+        the completion says so). Legs reach each prefill replica in decision order (leg_order.py).
 
-KV bytes never pass through here: only token ids, text and NIXL's small control parameters.
-Cancellation (client gone, deadline) propagates: the Serve call is cancelled, the replica's coroutine is
-cancelled, and the engine aborts the request.
-
-Failover (`serve`): when a leg's replica dies or its engine fails, the request is routed again with the
-tokens streamed so far appended to its prompt, and goes on from there: the client sees one stream (with
-greedy sampling, the same tokens as without the failure). The request's lifecycle (router/request/) is told
-of every step: prefill done, a replica failed, the continuation's route.
+KV bytes never pass through here: only token ids, text and NIXL's small control parameters. Cancellation
+propagates (the Serve call is cancelled, the engine aborts the request); a decode leg that ends before its
+first token has the prefill engine free the KV nobody will pull. Failover (`serve`): when a leg's replica
+dies or its engine fails, the request goes on elsewhere with the tokens streamed so far appended to its
+prompt, so the client sees one stream (greedy: the same tokens). The request's lifecycle
+(router/request/lifecycle.py) is told of each step: prefill done, a replica failed, the continuation's route.
 """
 
 from __future__ import annotations
@@ -49,7 +42,7 @@ from router.config import LiveConfig
 from router.decision.readback import block_id_groups, cut_pinned
 from router.errors import NoReplicaError
 from router.legs.leg_order import LegOrder, Ticket
-from router.messages import Completion, Route
+from router.messages import RequestSummary, Route
 from router.request.lifecycle import RequestLifecycle
 
 log = logging.getLogger(__name__)
@@ -97,7 +90,7 @@ class Orchestrator:
         cfg = self._config.current
         return StreamBatch(tokens=cfg.stream_batch_tokens, ms=cfg.stream_batch_ms)
 
-    async def serve(self, request: RequestLifecycle) -> AsyncIterator[TokenBatch | Completion]:
+    async def serve(self, request: RequestLifecycle) -> AsyncIterator[TokenBatch | RequestSummary]:
         """`run` for `request`, moved to another replica when one fails: the request is told which replica
         failed, then routes the continuation (`request.reroute`). The continuation's prompt is the original
         one plus every token streamed so far, and its max_tokens what is left, so a greedy stream goes on
@@ -149,8 +142,8 @@ class Orchestrator:
         sampling: Sampling,
         route: Route,
         request: RequestLifecycle | None = None,
-    ) -> AsyncIterator[TokenBatch | Completion]:
-        """Stream one attempt's token batches, then its Completion. `request` is told once the prompt is
+    ) -> AsyncIterator[TokenBatch | RequestSummary]:
+        """Stream one attempt's token batches, then its RequestSummary. `request` is told once the prompt is
         computed (the prefill leg returned, or decode's first token after a local prefill)."""
         started = time.monotonic()
         prefill_result: PrefillResult | None = None
@@ -216,7 +209,7 @@ class Orchestrator:
                     continue
                 # The last batch: stream its tokens, then the summary.
                 yield TokenBatch(token_ids=batch.token_ids, text=batch.text, logprobs=batch.logprobs)
-                yield Completion(
+                yield RequestSummary(
                     finish_reason=batch.finish_reason,
                     stop_reason=batch.stop_reason,
                     prompt_tokens=batch.num_prompt_tokens,
@@ -369,8 +362,8 @@ class Orchestrator:
 
 
 def _continued(
-    c: Completion, prompt_len: int, generated: list[int], moves: list[str], started: float
-) -> Completion:
+    c: RequestSummary, prompt_len: int, generated: list[int], moves: list[str], started: float
+) -> RequestSummary:
     """The last leg's summary, as the client's one request: the original prompt, every token streamed."""
     c.prompt_tokens = prompt_len
     c.cached_tokens = min(c.cached_tokens, prompt_len)

@@ -11,34 +11,10 @@
          + w_transfer * transfer_s(tokens D lacks, C~D node)      moving the KV from C to D
          + w_stall    * (active(D) * delay + prefill wall)         C is D (local prefill): D's batch slows
 
-C is the replica that computes the prompt: a prefill replica (disaggregated) or the decode replica D itself
-(local prefill: no transfer, and its batch waits). This module holds the terms; `router.policy.options`
-enumerates the options and adds each one's terms up (`Option.terms`, `Terms.total`), `router.policy.selector`
-picks. Every time
-comes from `router.service_time.ServiceTimeModel`, the model the trace replay charges, so a cached
-token is worth what it saves (a hit on a long context saves attention over all of it). `out` is the request's
-`max_tokens` capped at `max_output_tokens` (clients often send a large ceiling).
-
-A prompt that does not continue a session the router has placed (a first turn, a request without a session)
-shares its cached prefix with other requests: a prefill replica that recomputes it beside the replica that
-holds it makes a second copy in the prefill pool, which splits the hits of every later request sharing it and
-evicts what that cache held. Each second it spends beyond the cheapest prefill replica's own is charged `copy`
-(`COPY_WEIGHT`) instead of `prefill`. A session's next turn is charged `prefill` throughout: the prefix is its
-own context, which moves with it once (such moves are what keep a pool of long sessions balanced). The wait
-for a prefill replica counts as itself (`queue`, 1) while the first token stays within the TTFT SLO
-(`router.ttft_slo_ms`), and `OVER_SLO_WEIGHT` x the time past it on top, as a local prefill's stall is
-charged against the inter-token SLO: a cost linear in the wait would hold a prompt behind any queue shorter
-than its hit's weighted saving, and the TTFT tail would pay for it. (A local prefill's own wall is in its
-stall term already, at the over-SLO weight when its steps break the inter-token SLO.)
-
-A local prefill runs chunked between D's decode steps (`ServiceTimeModel.mixed_prefill`): for `steps` mixed
-steps each running sequence waits `step` instead of its decode step, a `delay` of steps x (step - tpot(D)),
-and the next sequence D admits waits the whole prefill (steps x step: its `prefill wall`). The stall weight
-is 1 while the mixed step stays within the decode replicas' inter-token SLO (`router.tpot_slo_ms`) and
-`OVER_SLO_WEIGHT` when it would break it for every running sequence (or the next one admitted), except in
-prefill overflow (every prefill replica far behind: their queue is the alternative). With every weight 1 the
-cost would be the request's own end-to-end estimate; `prefill` 5 charges a miss for what it does to the queue
-behind it and to the prefixes it evicts. Why each weight has its value: docs/routing.md.
+C computes the prompt: a prefill replica, or D itself (local prefill: no transfer; D's batch waits). The
+terms are here; router/policy/options.py adds each option's up, router/policy/selector.py picks. Every time is
+`router.service_time.ServiceTimeModel`'s, the model the replay charges. What each term means and why each
+weight has its value: docs/routing.md ("The cost").
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from types import TracebackType
 from engine.messages import Sampling
 from router.decision.decider import Decider
 from router.errors import NoReplicaError
-from router.messages import Completion, PromptReuse, Route
+from router.messages import PromptReuse, RequestSummary, Route
 from router.metrics import RouterMetrics
 
 
@@ -92,7 +92,7 @@ class RequestLifecycle:
             self._metrics.observe_itl(now - (self._last_tokens_at or now), count)
         self._last_tokens_at = now
 
-    def turn_done(self, c: Completion) -> None:
+    def turn_done(self, c: RequestSummary) -> None:
         """The last token was generated: record the request and tell the decider where the turn's KV is."""
         self._record(c)
         self._decider.turn_done(
@@ -114,7 +114,7 @@ class RequestLifecycle:
             )
         return route
 
-    def _record(self, c: Completion) -> None:
+    def _record(self, c: RequestSummary) -> None:
         m = self._metrics
         m.ttft.labels(path=c.path).observe(c.ttft_ms / 1e3)
         m.e2e.labels(path=c.path).observe(c.e2e_ms / 1e3)

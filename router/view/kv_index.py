@@ -21,8 +21,8 @@ another medium (e.g. CPU offload tiers), LoRA adapters or extra hash keys (multi
 block size other than the index's.
 
 Memory: one dict entry router hash -> replica bitmask (single-bit masks are shared objects), plus one dict
-entry per (replica, block) engine hash -> router hash, sharing the router hash int object. About 200 bytes per
-indexed block in CPython (bench/routing_decision.py prints the measured figure).
+entry per (replica, block) engine hash -> router hash, sharing the router hash int object
+(bench/routing_decision.py prints the bytes per indexed block).
 """
 
 from __future__ import annotations

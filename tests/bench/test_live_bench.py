@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -225,3 +226,31 @@ def test_a_traces_dir_without_sessions_is_one_line(tmp_path: Path) -> None:
             capture_output=True, text=True, timeout=120,
         )  # fmt: skip
     assert run.returncode == 2 and "no sessions" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_a_pdserve_system_can_run_an_earlier_revision_and_only_a_pdserve_one() -> None:
+    from bench.live.systems import known
+
+    assert known("aggregated@0b48427") and known("pd@HEAD~1") and known("vllm")
+    assert not known("vllm@HEAD") and not known("aggregated@") and not known("sglang@HEAD")
+    run = subprocess.run(
+        [PDSERVE, "bench", "--side-by-side", "aggregated@HEAD,aggregated@HEAD"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 2 and "each system once" in run.stderr
+
+
+def test_an_earlier_revision_runs_from_its_own_tree_first_on_the_path() -> None:
+    from bench.live.systems import REPO, revision
+
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True)
+    with revision(head.stdout.strip()) as env:
+        tree = Path(env["PYTHONPATH"].split(os.pathsep)[0])
+        assert (tree / "cluster" / "cli.py").read_text() == subprocess.run(
+            ["git", "-C", str(REPO), "show", "HEAD:cluster/cli.py"], capture_output=True, text=True
+        ).stdout
+    assert not tree.exists()  # removed once the system stopped
+    with pytest.raises(RuntimeError, match="git archive no-such-revision"), revision("no-such-revision"):
+        pass

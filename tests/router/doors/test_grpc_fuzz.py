@@ -17,7 +17,7 @@ from inprocess_server import endpoint
 
 from pdserve_client.api import pdserve_pb2 as pb
 
-# The codes a client can get (README, "Errors"): anything else is a bug.
+# The codes a client can get (docs/api.md, "Errors a client can get"): anything else is a bug.
 DOCUMENTED = {
     grpc.StatusCode.OK,
     grpc.StatusCode.INVALID_ARGUMENT,

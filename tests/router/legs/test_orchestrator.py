@@ -14,7 +14,7 @@ from ray.exceptions import ActorDiedError
 from engine.messages import EngineRequest, PrefillResult, ReplicaFailed, Sampling, TokenBatch
 from router.errors import NoReplicaError
 from router.legs.orchestrator import Orchestrator
-from router.messages import Completion, Route
+from router.messages import RequestSummary, Route
 
 PROMPT = list(range(100, 200))
 KV = {"remote_engine_id": "p", "remote_block_ids": [[1, 2, 3]], "do_remote_prefill": True}
@@ -134,7 +134,7 @@ def tokens(*ids: int, final: bool = False) -> TokenBatch:
     )
 
 
-async def run(orch: Orchestrator, route: Route) -> tuple[list[TokenBatch], Completion]:
+async def run(orch: Orchestrator, route: Route) -> tuple[list[TokenBatch], RequestSummary]:
     batches, completions = [], []
     async for event in orch.run("r", PROMPT, Sampling(max_tokens=3), route):
         (batches if isinstance(event, TokenBatch) else completions).append(event)
@@ -199,7 +199,7 @@ class Failover:
 
 async def serve(
     orch: Orchestrator, route: Route, failover: Failover, *, attempts: int = 3, max_tokens: int = 3
-) -> tuple[list[int], Completion]:
+) -> tuple[list[int], RequestSummary]:
     ids, completions = [], []
     failover.sampling = Sampling(max_tokens=max_tokens, temperature=0.0)
     failover.route = route
@@ -406,7 +406,7 @@ class FakeExport:
 EXPORTED = {"do_remote_decode": True, "remote_block_ids": [[4, 5, 6, 7]], "remote_num_tokens": 65}
 
 
-async def export_run(result: Any) -> tuple[FakeExport, FakePrefill, Completion]:
+async def export_run(result: Any) -> tuple[FakeExport, FakePrefill, RequestSummary]:
     prefill = FakePrefill([prefill_result(KV)])
     decode = FakeDecode([[tokens(1, final=True)]])
     decode.export = FakeExport(result)  # type: ignore[attr-defined]

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from decode.server import DecodeServer
+from decode.decode_replica import DecodeReplica
 from engine.double import DoubleEngineHost
 from engine.messages import EngineRequest, Sampling
 from engine.spec import EngineSpec
 
 
-def server() -> DecodeServer:
+def server() -> DecodeReplica:
     spec = EngineSpec(
         role="decode",
         engine="double",
@@ -19,7 +19,7 @@ def server() -> DecodeServer:
         max_model_len=2048,
         kv_readback_ttl_s=60,
     )
-    s = object.__new__(DecodeServer)  # the Serve constructor needs a running replica context
+    s = object.__new__(DecodeReplica)  # the Serve constructor needs a running replica context
     s.host = DoubleEngineHost(spec, replica_id="d1", node_id="node-1", node_ip="127.0.0.1")
     s.host.start()
     return s

@@ -8,7 +8,7 @@ from engine.replica import EngineReplica
 from prefill.engine import PrefillEngine
 
 
-class PrefillServer(EngineReplica):
+class PrefillReplica(EngineReplica):
     HOST = PrefillEngine
     host: PrefillEngine | DoubleEngineHost
 

@@ -12,7 +12,7 @@ from engine.messages import EngineRequest, TokenBatch
 from engine.replica import EngineReplica
 
 
-class DecodeServer(EngineReplica):
+class DecodeReplica(EngineReplica):
     HOST = DecodeEngine
     host: DecodeEngine | DoubleEngineHost
 
