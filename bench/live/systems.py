@@ -42,11 +42,11 @@ READY_TIMEOUT_S = 600.0
 
 class LocalCluster:
     """`pdserve up -f topology` in a subprocess, ready once it prints its ready line; `down()` stops it.
-    `env`: the environment of both commands (default: this process's)."""
+    `env`, `cwd`: the environment and folder of both commands (default: this process's)."""
 
-    def __init__(self, topology: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, topology: Path, env: dict[str, str] | None = None, cwd: Path | None = None) -> None:
         self.ready_s = 0.0
-        self.env = env
+        self.env, self.cwd = env, cwd
         started = time.monotonic()
         self.proc = subprocess.Popen(
             [PDSERVE, "up", "-f", str(topology)],
@@ -54,6 +54,7 @@ class LocalCluster:
             stderr=subprocess.STDOUT,
             text=True,
             env=env,
+            cwd=cwd,
         )
         ready = threading.Event()
         self.log: list[str] = []
@@ -72,7 +73,7 @@ class LocalCluster:
         self.ready_s = time.monotonic() - started
 
     def down(self) -> None:
-        subprocess.run([PDSERVE, "down"], capture_output=True, timeout=300, env=self.env)
+        subprocess.run([PDSERVE, "down"], capture_output=True, timeout=300, env=self.env, cwd=self.cwd)
         self.proc.wait(timeout=120)
 
 
@@ -103,12 +104,14 @@ def topology(base: Path, overrides: dict[str, Any]) -> dict[str, Any]:
 
 
 @contextmanager
-def pdserve(base: Path, overrides: dict[str, Any], env: dict[str, str] | None = None) -> Iterator[str]:
+def pdserve(
+    base: Path, overrides: dict[str, Any], env: dict[str, str] | None = None, cwd: Path | None = None
+) -> Iterator[str]:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "topology.yaml"
         topo = topology(base, overrides)
         path.write_text(yaml.safe_dump(topo))
-        cluster = LocalCluster(path, env)
+        cluster = LocalCluster(path, env, cwd)
         try:
             yield f"127.0.0.1:{topo['server']['grpc_port']}"
         finally:
@@ -198,16 +201,18 @@ def known(system: str) -> bool:
 
 
 @contextmanager
-def revision(rev: str) -> Iterator[dict[str, str]]:
-    """The environment that runs pdserve as of git revision `rev`: its tree extracted beside, first on
-    PYTHONPATH (the installed packages, shared, stay behind it)."""
+def revision(rev: str) -> Iterator[tuple[dict[str, str], Path]]:
+    """The environment and folder that run pdserve as of git revision `rev`: its tree extracted beside, first
+    on PYTHONPATH (the installed packages, shared, stay behind it) and the commands' working directory (Ray's
+    workers put the driver's folder first on their path)."""
     archive = subprocess.run(["git", "-C", str(REPO), "archive", rev], capture_output=True, check=False)
     if archive.returncode != 0:
         raise RuntimeError(f"git archive {rev}: {archive.stderr.decode(errors='replace').strip()}")
     with tempfile.TemporaryDirectory(prefix=f"pdserve-{rev}-") as tmp:
         with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
             tar.extractall(tmp, filter="data")
-        yield {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [tmp, os.environ.get("PYTHONPATH")]))}
+        path = os.pathsep.join(filter(None, [tmp, os.environ.get("PYTHONPATH")]))
+        yield {**os.environ, "PYTHONPATH": path}, Path(tmp)
 
 
 @contextmanager
@@ -218,7 +223,7 @@ def started(system: str, base: Path) -> Iterator[str]:
         with vllm_serve(base) as url:
             yield url
     elif rev:
-        with revision(rev) as env, pdserve(base, PDSERVE_SYSTEMS[name], env) as target:
+        with revision(rev) as (env, tree), pdserve(base, PDSERVE_SYSTEMS[name], env, tree) as target:
             yield target
     else:
         with pdserve(base, PDSERVE_SYSTEMS[name]) as target:

@@ -246,8 +246,8 @@ def test_an_earlier_revision_runs_from_its_own_tree_first_on_the_path() -> None:
     from bench.live.systems import REPO, revision
 
     head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True)
-    with revision(head.stdout.strip()) as env:
-        tree = Path(env["PYTHONPATH"].split(os.pathsep)[0])
+    with revision(head.stdout.strip()) as (env, tree):
+        assert Path(env["PYTHONPATH"].split(os.pathsep)[0]) == tree
         assert (tree / "cluster" / "cli.py").read_text() == subprocess.run(
             ["git", "-C", str(REPO), "show", "HEAD:cluster/cli.py"], capture_output=True, text=True
         ).stdout
