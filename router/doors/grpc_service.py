@@ -20,6 +20,7 @@ from engine.messages import TokenLogprob
 from pdserve_client.api import pdserve_pb2 as pb
 from pdserve_client.api import pdserve_pb2_grpc as pb_grpc
 from router.doors.auth import BearerToken
+from router.doors.limits import MAX_REQUEST_BYTES
 from router.doors.listen import ListenError
 from router.errors import RequestFailed
 from router.generate import GeneratePath, internal_error, served_request_id
@@ -248,7 +249,8 @@ async def start_grpc_server(
     interceptors = [_TokenAuth(BearerToken(auth_token))] if auth_token else []
     # gRPC sets SO_REUSEPORT by default: a second server on the same port would then bind too and silently
     # take half of the connections. Off, it fails to bind instead.
-    server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
+    options = [("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", MAX_REQUEST_BYTES)]
+    server = grpc.aio.server(interceptors=interceptors, options=options)
     add_pdserve_service(service, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -24,6 +24,7 @@ from vllm.exceptions import VLLMValidationError
 
 from pdserve_client.api import pdserve_pb2 as pb
 from router.doors.auth import BearerToken
+from router.doors.limits import MAX_REQUEST_BYTES
 from router.doors.listen import ListenError, bind
 from router.doors.openai_wire import (
     BadRequest,
@@ -103,10 +104,12 @@ async def _serve(
     output: type[Output],
 ) -> Response:
     try:
-        body = json.loads(await http.body())
+        body = json.loads(await _body(http))
         req = model.model_validate(body)
         refuse_unsupported(req)
         request = convert(req)
+    except _TooLarge as exc:
+        return _error(413, str(exc))
     except json.JSONDecodeError as exc:
         return _error(400, f"the body is not JSON: {exc}")
     except ValidationError as exc:
@@ -140,6 +143,25 @@ async def _serve(
     return StreamingResponse(_sse(out, first, events), media_type="text/event-stream")
 
 
+class _TooLarge(Exception):
+    pass
+
+
+async def _body(http: Request) -> bytes:
+    """The request's body, read only up to MAX_REQUEST_BYTES."""
+    too_large = _TooLarge(f"the request body is over {MAX_REQUEST_BYTES} bytes, the limit of both doors")
+    declared = http.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_REQUEST_BYTES:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in http.stream():
+        size += len(chunk)
+        if size > MAX_REQUEST_BYTES:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 async def _sse(
     out: Output, first: OutputDelta | Finished, rest: AsyncIterator[OutputDelta | Finished]
 ) -> AsyncIterator[str]:
@@ -156,9 +178,12 @@ async def _sse(
 
 
 def _error_type(status: int) -> str:
-    return {400: "invalid_request_error", 401: "authentication_error", 429: "rate_limit_error"}.get(
-        status, "server_error"
-    )
+    return {
+        400: "invalid_request_error",
+        401: "authentication_error",
+        413: "invalid_request_error",
+        429: "rate_limit_error",
+    }.get(status, "server_error")
 
 
 def _error_body(message: str, kind: str, param: str | None = None) -> dict[str, Any]:

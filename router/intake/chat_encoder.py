@@ -119,7 +119,14 @@ class SessionChatEncoder:
         """`encode`, and which of the ids were copied from the session's previous prompt (for the router's
         block hasher, which then need not compare them). Template variables change the text, so a turn that
         changes them reuses only what still renders the same."""
-        text = self._tok.render_chat(messages, tools, template_kwargs)
+        return self.encode_rendered_reusing(
+            session_id, self._tok.render_chat(messages, tools, template_kwargs)
+        )
+
+    def encode_rendered_reusing(
+        self, session_id: str | None, text: str
+    ) -> tuple[list[int], PromptReuse | None]:
+        """`encode_reusing` of a chat the caller rendered (`PromptTokenizer.render_chat`)."""
         if session_id is None or self.unsupported is not None:
             ids = self._tok.encode_rendered(text)
             self._count(0, len(ids))

@@ -1,7 +1,8 @@
 """A request in, a prompt the router can route out: validated, tokenized, checked against the context.
 
     validate (every field, by path) -> tool choice against the model's parsers -> the engine's sampling
-    -> grammar check (xgrammar, off the event loop) -> token ids (a session's next turn: only what it
+    -> grammar check (xgrammar, off the event loop) -> a prompt that cannot fit is refused before it is
+    tokenized (its length bounds its tokens from below) -> token ids (a session's next turn: only what it
     appended) -> prompt length against max_model_len
 
 Every refusal is `RequestFailed(INVALID_ARGUMENT)` naming the field; nothing reaches a replica before it.
@@ -79,7 +80,7 @@ class PromptIntake:
             if sampling.constraint is not None:
                 await asyncio.to_thread(check_constraint, sampling)
             session_id = valid.session_id or None
-            ids, reuse = await self._encode(valid.input, session_id, turn)
+            ids, reuse = await self._encode(valid.input, session_id, turn, sampling)
             check_prompt_length(len(ids), sampling, self.limits, input_field=valid.input.kind)
         except (InvalidRequest, ChatInputError) as exc:
             raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, f"{exc.field}: {exc.message}") from exc
@@ -98,15 +99,28 @@ class PromptIntake:
         return ids
 
     async def _encode(
-        self, prompt: PromptInput, session_id: str | None = None, turn: TokenIdsTurn | None = None
+        self,
+        prompt: PromptInput,
+        session_id: str | None = None,
+        turn: TokenIdsTurn | None = None,
+        sampling: Sampling | None = None,
     ) -> tuple[list[int], PromptReuse | None]:
+        """`sampling`: refuse a text that cannot fit with max_tokens before tokenizing it (None: do not)."""
         # Tokenizing a long prompt takes milliseconds of CPU: keep it off the event loop.
         if prompt.kind == "prompt_token_ids":
             # Validation built this request's own list (from the previous turn's when `turn` extends it).
             return prompt.prompt_token_ids, None if turn is None else turn.reuse
         if prompt.kind == "prompt":
+            self._check_fits(prompt.prompt, sampling, "prompt")
             return await asyncio.to_thread(self._tokenizer.encode_text, prompt.prompt), None
-        # A session's chat is encoded incrementally: only the text its new turn appended.
-        return await asyncio.to_thread(
-            self._chat.encode_reusing, session_id, prompt.messages, prompt.tools, prompt.template_kwargs
+        text = await asyncio.to_thread(
+            self._tokenizer.render_chat, prompt.messages, prompt.tools, prompt.template_kwargs
         )
+        self._check_fits(text, sampling, "messages")
+        # A session's chat is encoded incrementally: only the text its new turn appended.
+        return await asyncio.to_thread(self._chat.encode_rendered_reusing, session_id, text)
+
+    def _check_fits(self, text: str, sampling: Sampling | None, field: str) -> None:
+        fewest = self._tokenizer.fewest_tokens(text)
+        if sampling is not None and fewest is not None:
+            check_prompt_length(fewest, sampling, self.limits, input_field=field, at_least=True)

@@ -107,6 +107,14 @@ class PromptTokenizer:
             str(model_dir), local_files_only=True, trust_remote_code=trust_remote_code
         )
         self._lock = threading.Lock()
+        self.max_token_chars = _max_token_chars(self._tokenizer)
+
+    def fewest_tokens(self, text: str) -> int | None:
+        """A count `text` cannot encode to fewer tokens than (no token covers more than `max_token_chars`
+        characters of it), known without tokenizing; None when this tokenizer gives no such bound."""
+        if self.max_token_chars is None:
+            return None
+        return -(-len(text) // self.max_token_chars)
 
     @property
     def hf_tokenizer(self) -> Any:
@@ -170,3 +178,44 @@ class PromptTokenizer:
         """Text of these token ids (special tokens dropped by default, as vLLM's detokenizer does)."""
         with self._lock:
             return str(self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
+
+
+# Normalizers and pre-tokenizers that never drop or merge characters of the input (each input character
+# stays covered by the token that holds it); any other, and tokenizers that are not `tokenizers`-backed, give
+# no bound.
+_KEEPS_TEXT = {"Prepend", "NFC", "NFD", "ByteLevel", "Metaspace", "Digits", "Punctuation", "Split"}
+
+
+def _max_token_chars(tokenizer: Any) -> int | None:
+    """The most input characters one token can cover: its longest vocabulary entry or added token in UTF-8
+    bytes (a byte-level entry's characters each stand for one byte; a byte-fallback entry for one byte), at
+    least 4 (an unknown character). None when normalization or pre-tokenization may drop or fold characters
+    (NFKC, lowercasing, whitespace splitting) or unknown characters may fuse into one token."""
+    import json
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    spec = json.loads(backend.to_str())
+    for part in (spec.get("normalizer"), spec.get("pre_tokenizer")):
+        if part is not None and not _keeps_text(part):
+            return None
+    model = spec.get("model") or {}
+    if model.get("type") != "BPE" or (
+        model.get("fuse_unk") and model.get("unk_token") and not model.get("byte_fallback")
+    ):
+        return None
+    entries = [*model.get("vocab", {}), *(t.get("content", "") for t in spec.get("added_tokens") or ())]
+    return max(4, *(len(e.encode()) for e in entries))
+
+
+def _keeps_text(part: dict[str, Any]) -> bool:
+    kind = part.get("type")
+    if kind == "Sequence":
+        return all(_keeps_text(p) for p in part.get("normalizers") or part.get("pretokenizers") or ())
+    if kind == "Split":
+        return part.get("behavior") != "Removed"
+    if kind == "Replace":  # e.g. " " -> "▁": never shorter, so never covers more input per token
+        pattern = part.get("pattern", {}).get("String")
+        return pattern is not None and len(part.get("content", "")) >= len(pattern)
+    return kind in _KEEPS_TEXT

@@ -104,18 +104,25 @@ def validate_tokenize(req: pdserve_pb2.TokenizeRequest, limits: ModelLimits) -> 
 
 
 def check_prompt_length(
-    num_prompt_tokens: int, sampling: Sampling, limits: ModelLimits, *, input_field: str
+    num_prompt_tokens: int,
+    sampling: Sampling,
+    limits: ModelLimits,
+    *,
+    input_field: str,
+    at_least: bool = False,
 ) -> None:
     """Refuse a prompt that, with max_tokens, does not fit the context. The field blamed is
-    sampling.max_tokens when a smaller max_tokens would fit, else the input (`input_field`)."""
+    sampling.max_tokens when a smaller max_tokens would fit, else the input (`input_field`). `at_least`:
+    `num_prompt_tokens` is a lower bound (the prompt was not tokenized)."""
     total = num_prompt_tokens + sampling.max_tokens
     if total <= limits.max_model_len:
         return
     field = "sampling.max_tokens" if num_prompt_tokens < limits.max_model_len else input_field
+    has = f"at least {num_prompt_tokens}" if at_least else str(num_prompt_tokens)
     raise InvalidRequest(
         field,
-        f"the prompt has {num_prompt_tokens} tokens and max_tokens is {sampling.max_tokens}: "
-        f"{total} > max_model_len {limits.max_model_len}",
+        f"the prompt has {has} tokens and max_tokens is {sampling.max_tokens}: "
+        f"{'over' if at_least else str(total) + ' >'} max_model_len {limits.max_model_len}",
     )
 
 
@@ -145,6 +152,12 @@ def _prompt_input(
     if prompt:
         return PromptInput(kind="prompt", prompt=prompt)
     if token_ids:
+        if len(token_ids) >= limits.max_model_len:  # refused before converting 1M+ ids
+            raise InvalidRequest(
+                "prompt_token_ids",
+                f"the prompt has {len(token_ids)} tokens: max_model_len {limits.max_model_len} leaves no "
+                "room to generate",
+            )
         ids = _token_ids(token_ids, limits, token_prefix)
         return PromptInput(kind="prompt_token_ids", prompt_token_ids=ids)
     _check_messages(messages)

@@ -190,6 +190,21 @@ def test_a_body_that_is_not_json_is_400(door: Door) -> None:
     assert "not JSON" in json.loads(info.value.read())["error"]["message"]
 
 
+def test_a_body_over_the_doors_cap_is_413_with_openai_json(door: Door) -> None:
+    """The HTTP door caps bodies as gRPC caps messages (4 MiB): a 5 MB chat is refused as it arrives, never
+    parsed; a prompt within the cap but far over the model's context is a 400 naming the field."""
+    messages = [{"role": "user", "content": "word " * 1_000_000}]
+    with pytest.raises(openai.APIStatusError) as info:
+        door.client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=4)  # type: ignore[arg-type]
+    assert info.value.status_code == 413
+    body = info.value.body
+    assert isinstance(body, dict) and "over 4194304 bytes" in body["message"]
+    with pytest.raises(openai.BadRequestError) as too_long:
+        door.client.completions.create(model="tiny-llama", prompt="word " * 400_000, max_tokens=4)
+    assert "prompt: the prompt has at least" in str(too_long.value)
+    assert door.seen == []
+
+
 def test_the_door_speaks_tls_with_the_same_certificate_as_grpc(tmp_path: Any) -> None:
     import httpx
     from test_auth import self_signed

@@ -6,6 +6,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from engine.tiny_model import ensure_tiny_model
 from pdserve_client.api import pdserve_pb2 as pb
@@ -191,3 +193,48 @@ def test_the_tokenizer_runs_model_code_only_when_trusted(monkeypatch: pytest.Mon
     PromptTokenizer(ensure_tiny_model(), trust_remote_code=True)
     assert [k["trust_remote_code"] for k in seen] == [False, True]
     assert all(k["local_files_only"] is True for k in seen)  # never the hub
+
+
+# Texts a bound must hold for: words, runs of one byte, multi-byte scripts, the model's special tokens.
+BOUND_TEXTS = st.lists(
+    st.sampled_from(
+        ["a", "b", " ", "\n", "\t", "é", "中", "🙂", "<|im_start|>", "<|im_end|>", "0", ".", "word "]
+    ),
+    max_size=400,
+).map("".join)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=BOUND_TEXTS)
+def test_the_fewest_tokens_bound_never_exceeds_the_real_count(tokenizer: PromptTokenizer, text: str) -> None:
+    fewest = tokenizer.fewest_tokens(text)
+    assert fewest is not None
+    assert fewest <= len(tokenizer.encode_text(text))
+    assert fewest <= len(tokenizer.encode_rendered(text))
+
+
+def test_the_bound_of_a_long_repetitive_prompt_is_far_over_a_small_context(
+    tokenizer: PromptTokenizer,
+) -> None:
+    # What lets an over-long prompt be refused before it is tokenized: a 1 MB text is over 2048 tokens.
+    fewest = tokenizer.fewest_tokens("word " * 200_000)
+    assert fewest is not None and 2048 < fewest <= len(tokenizer.encode_text("word " * 200_000))
+
+
+def test_a_tokenizer_whose_normalizer_folds_text_gives_no_bound(tmp_path: Path) -> None:
+    """NFKC folds three-byte fullwidth letters into one, and lowercasing or whitespace splitting lose input:
+    a bound from the input's length could then under-count, so none is given."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE(vocab={"a": 0, "[UNK]": 1}, merges=[], unk_token="[UNK]"))
+    backend.normalizer = normalizers.NFKC()
+    folded = PreTrainedTokenizerFast(tokenizer_object=backend)
+    folded.save_pretrained(tmp_path / "nfkc")
+    assert (
+        PromptTokenizer(tmp_path / "nfkc").fewest_tokens("\uff41" * 3) is None
+    )  # fullwidth a: NFKC folds it to "a"
+    backend.normalizer = None
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=backend).save_pretrained(tmp_path / "ws")
+    assert PromptTokenizer(tmp_path / "ws").fewest_tokens("a a") is None

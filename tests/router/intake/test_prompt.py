@@ -1,0 +1,106 @@
+"""PromptIntake: a request in, a routable prompt out; a prompt that cannot fit is refused before it is
+tokenized (its length bounds its tokens from below), so an over-long one costs no tokenizer time."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import grpc
+import pytest
+
+from engine.tiny_model import ensure_tiny_model
+from pdserve_client.api import pdserve_pb2 as pb
+from router.errors import RequestFailed
+from router.intake.chat_encoder import SessionChatEncoder
+from router.intake.output_parser import OutputParsers
+from router.intake.prompt import PromptIntake
+from router.intake.tokenizer import PromptTokenizer
+from router.intake.validation import ModelLimits
+from router.metrics import RouterMetrics
+
+
+class CountingTokenizer(PromptTokenizer):
+    """The built-in model's tokenizer, counting the characters it was asked to encode."""
+
+    encoded_chars = 0
+
+    def encode_text(self, text: str) -> list[int]:
+        self.encoded_chars += len(text)
+        return super().encode_text(text)
+
+    def encode_rendered(self, text: str) -> list[int]:
+        self.encoded_chars += len(text)
+        return super().encode_rendered(text)
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> CountingTokenizer:
+    return CountingTokenizer(ensure_tiny_model())
+
+
+@pytest.fixture
+def intake(tokenizer: CountingTokenizer) -> PromptIntake:
+    tokenizer.encoded_chars = 0
+    return PromptIntake(
+        tokenizer=tokenizer,
+        chat_encoder=SessionChatEncoder(tokenizer),
+        parsers=OutputParsers(tokenizer.hf_tokenizer, None, None),
+        limits=ModelLimits(served_name="tiny-llama", max_model_len=2048, vocab_size=tokenizer.vocab_size),
+        metrics=RouterMetrics(),
+    )
+
+
+async def refused(intake: PromptIntake, request: pb.GenerateRequest) -> tuple[str, float]:
+    began = time.perf_counter()
+    with pytest.raises(RequestFailed) as info:
+        await intake.take(request)
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    return info.value.message, time.perf_counter() - began
+
+
+LONG = "word " * 400_000  # 2 MB of text: ~400k tokens for a 2048-token model
+
+
+async def test_an_over_long_prompt_is_refused_untokenized(intake: PromptIntake, tokenizer: Any) -> None:
+    message, _ = await refused(intake, pb.GenerateRequest(prompt=LONG))
+    assert tokenizer.encoded_chars == 0
+    assert message.startswith("prompt: the prompt has at least ") and "max_model_len 2048" in message
+
+
+async def test_an_over_long_chat_is_refused_untokenized(intake: PromptIntake, tokenizer: Any) -> None:
+    request = pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content=LONG)], session_id="s")
+    message, _ = await refused(intake, request)
+    assert tokenizer.encoded_chars == 0 and message.startswith("messages: the prompt has at least ")
+
+
+async def test_a_prompt_that_fits_only_without_its_max_tokens_blames_max_tokens(
+    intake: PromptIntake, tokenizer: Any
+) -> None:
+    # ~600 tokens by the bound (36 characters a token at most), 2000 to generate: max_tokens is to blame.
+    request = pb.GenerateRequest(prompt="a" * 22_000, sampling=pb.SamplingParams(max_tokens=2000))
+    message, _ = await refused(intake, request)
+    assert tokenizer.encoded_chars == 0 and message.startswith("sampling.max_tokens: the prompt has at least")
+
+
+async def test_over_long_token_ids_are_refused_by_their_count(intake: PromptIntake) -> None:
+    message, _ = await refused(intake, pb.GenerateRequest(prompt_token_ids=[1] * 1_000_000))
+    assert message == (
+        "prompt_token_ids: the prompt has 1000000 tokens: max_model_len 2048 leaves no room to generate"
+    )
+
+
+async def test_a_prompt_the_bound_lets_through_is_still_checked_once_tokenized(
+    intake: PromptIntake, tokenizer: Any
+) -> None:
+    # 3000 characters can be as few as 84 tokens; encoded, they are ~3000: refused after tokenizing.
+    message, _ = await refused(intake, pb.GenerateRequest(prompt="é" * 3000))
+    assert tokenizer.encoded_chars == 3000 and message.startswith("prompt: the prompt has ")
+    assert "at least" not in message
+
+
+async def test_a_prompt_that_fits_is_tokenized_as_before(intake: PromptIntake, tokenizer: Any) -> None:
+    prompt = await intake.take(
+        pb.GenerateRequest(prompt="hello world", sampling=pb.SamplingParams(max_tokens=4))
+    )
+    assert prompt.token_ids == tokenizer.encode_text("hello world") and prompt.sampling.max_tokens == 4
