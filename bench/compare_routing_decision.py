@@ -12,30 +12,22 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib
-import io
 import re
-import subprocess
 import sys
-import tarfile
 import tempfile
 from pathlib import Path
 from types import ModuleType
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
+from bench.revision import extract
+
 _IMPORT = re.compile(r"^(\s*)(from|import) router\b", re.M)
 
 
 def load_old(rev: str, into: Path) -> ModuleType:
     """bench.routing_decision as of `rev`, importing that revision's router (as `oldrouter`)."""
-    archive = subprocess.run(
-        ["git", "-C", str(REPO), "archive", rev, "router", "bench/routing_decision.py"],
-        check=True,
-        capture_output=True,
-    ).stdout
-    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-        tar.extractall(into, filter="data")
+    extract(rev, into, "router", "bench/routing_decision.py")
     (into / "router").rename(into / "oldrouter")
     (into / "oldbench").mkdir()
     (into / "oldbench" / "__init__.py").touch()

@@ -15,11 +15,9 @@ Each is a context manager that yields the address to benchmark once the system s
 
 from __future__ import annotations
 
-import io
 import os
 import subprocess
 import sys
-import tarfile
 import tempfile
 import threading
 import time
@@ -31,6 +29,7 @@ from typing import Any
 
 import yaml
 
+from bench.revision import extract
 from cluster.cli import READY_LINE
 from engine.host import free_ports
 
@@ -205,12 +204,8 @@ def revision(rev: str) -> Iterator[tuple[dict[str, str], Path]]:
     """The environment and folder that run pdserve as of git revision `rev`: its tree extracted beside, first
     on PYTHONPATH (the installed packages, shared, stay behind it) and the commands' working directory (Ray's
     workers put the driver's folder first on their path)."""
-    archive = subprocess.run(["git", "-C", str(REPO), "archive", rev], capture_output=True, check=False)
-    if archive.returncode != 0:
-        raise RuntimeError(f"git archive {rev}: {archive.stderr.decode(errors='replace').strip()}")
     with tempfile.TemporaryDirectory(prefix=f"pdserve-{rev}-") as tmp:
-        with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
-            tar.extractall(tmp, filter="data")
+        extract(rev, Path(tmp))
         path = os.pathsep.join(filter(None, [tmp, os.environ.get("PYTHONPATH")]))
         yield {**os.environ, "PYTHONPATH": path}, Path(tmp)
 

@@ -191,8 +191,6 @@ def _max_token_chars(tokenizer: Any) -> int | None:
     bytes (a byte-level entry's characters each stand for one byte; a byte-fallback entry for one byte), at
     least 4 (an unknown character). None when normalization or pre-tokenization may drop or fold characters
     (NFKC, lowercasing, whitespace splitting) or unknown characters may fuse into one token."""
-    import json
-
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         return None
