@@ -1,0 +1,113 @@
+"""CPU per streamed token of the processes that handle the tokens, pdserve against plain vLLM, in one run.
+
+Each system (as `pdserve bench --side-by-side` names them: `aggregated`, `pd`, `vllm`, `aggregated@REV`)
+is started here in turn and sent the same seeded closed-loop workload after a warm-up. The CPU time
+(user + system) of its token-path processes is read before and after:
+    pdserve: the `pdserve up` process (the router lives there) and the Serve replica actors of its engines
+    vllm:    its API server process
+Engine cores (`VLLM::EngineCore`, the model's compute) and Ray's daemons are reported apart.
+
+    .venv/bin/python -m bench.token_path_cpu --systems aggregated@0b48427,aggregated,vllm
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from collections.abc import Iterable
+
+import psutil
+
+from bench.live.cli import LOCAL_TOPOLOGY, build_parser, measure
+from bench.live.systems import known, started
+
+# What a process is, by its command line: token path, engine, or Ray/Serve daemon.
+_ENGINE = ("VLLM::EngineCore", "VLLM::Worker")
+_TOKEN_PATH = (
+    "pdserve up",
+    "ServeReplica:pdserve:decode",
+    "ServeReplica:pdserve:prefill",
+    "vllm.entrypoints.openai.api_server",
+)
+_DAEMONS = ("gcs_server", "raylet", "dashboard", "ServeController", "log_monitor", "runtime_env", "ray::")
+
+
+def kind(cmdline: str) -> str | None:
+    """ "token", "engine" or "daemon" for a process of a system under test; None for anything else."""
+    if any(m in cmdline for m in _ENGINE):
+        return "engine"
+    if any(m in cmdline for m in _TOKEN_PATH):
+        return "token"
+    if any(m in cmdline for m in _DAEMONS):
+        return "daemon"
+    return None
+
+
+def cpu_by_kind(procs: Iterable[psutil.Process]) -> dict[tuple[str, int], float]:
+    """CPU seconds (user + system) of each classified process, keyed (kind, pid)."""
+    out = {}
+    for p in procs:
+        try:
+            k = kind(" ".join(p.cmdline()) or p.name())
+            if k is not None:
+                t = p.cpu_times()
+                out[(k, p.pid)] = t.user + t.system
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return out
+
+
+def spent(before: dict[tuple[str, int], float], after: dict[tuple[str, int], float]) -> dict[str, float]:
+    """CPU seconds per kind between two readings (a process that started in between counts from zero)."""
+    total: dict[str, float] = {"token": 0.0, "engine": 0.0, "daemon": 0.0}
+    for key, seconds in after.items():
+        total[key[0]] += seconds - before.get(key, 0.0)
+    return total
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--systems", default="aggregated,vllm")
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--num-requests", type=int, default=96)
+    ap.add_argument("--input-len", default="fixed:256")
+    ap.add_argument("--output-len", default="fixed:128")
+    args = ap.parse_args(argv)
+    systems = args.systems.split(",")
+    if unknown := [s for s in systems if not known(s)]:
+        ap.error(f"unknown system {', '.join(unknown)}")
+    common = ["--mode", "concurrency", "--concurrency", str(args.concurrency), "--input-len", args.input_len]
+    common += ["--output-len", args.output_len, "--warmup", "0"]
+    warmup = build_parser().parse_args([*common, "--num-requests", str(args.concurrency)])
+    run = build_parser().parse_args([*common, "--num-requests", str(args.num_requests)])
+    rows = []
+    for system in systems:
+        print(f"starting {system} ...", flush=True)
+        with started(system, LOCAL_TOPOLOGY) as address:
+            asyncio.run(measure(warmup, address))
+            before = cpu_by_kind(psutil.process_iter())
+            _, _, results = asyncio.run(measure(run, address))
+            used = spent(before, cpu_by_kind(psutil.process_iter()))
+        (r,) = results
+        tokens = r.output_tokens_per_s * r.duration_s
+        rows.append((system, tokens, r, used))
+    print(
+        f"\n{'system':<22} {'tok/s':>7} {'TPOT p50':>9} {'token-path CPU s':>17} {'µs/token':>9}"
+        f" {'engine CPU s':>13} {'daemons CPU s/s':>16}"
+    )
+    for system, tokens, r, used in rows:
+        tpot_ms, daemons = r.tpot_s["p50"] * 1e3, used["daemon"] / r.duration_s
+        print(
+            f"{system:<22} {r.output_tokens_per_s:7.0f} {tpot_ms:7.1f}ms {used['token']:17.2f}"
+            f" {used['token'] / tokens * 1e6:9.0f} {used['engine']:13.2f} {daemons:16.2f}"
+        )
+    base_system, base_tokens, base, base_used = rows[-1]
+    print(f"\nratios to {base_system}: CPU per token, tokens/s")
+    for system, tokens, r, used in rows[:-1]:
+        per_token = (used["token"] / tokens) / (base_used["token"] / base_tokens)
+        print(f"{system:<22} {per_token:6.2f}x {r.output_tokens_per_s / base.output_tokens_per_s:6.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

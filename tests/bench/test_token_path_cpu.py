@@ -1,0 +1,31 @@
+"""bench.token_path_cpu: which processes count as the token path, and the CPU they spent between readings."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.token_path_cpu import kind, spent
+
+
+@pytest.mark.parametrize(
+    ("cmdline", "expected"),
+    [
+        ("/venv/bin/python /venv/bin/pdserve up -f /tmp/t.yaml", "token"),
+        ("ray::ServeReplica:pdserve:decode", "token"),
+        ("ray::ServeReplica:pdserve:prefill", "token"),
+        ("/venv/bin/python -m vllm.entrypoints.openai.api_server --config v.yaml", "token"),
+        ("VLLM::EngineCore", "engine"),
+        ("ray::ServeReplica:pdserve:registry", "daemon"),
+        ("ray::ServeController", "daemon"),
+        ("/venv/lib/python3.11/site-packages/ray/core/src/ray/gcs/gcs_server --port=1", "daemon"),
+        ("/usr/bin/bash", None),
+    ],
+)
+def test_processes_are_told_apart_by_their_command_line(cmdline: str, expected: str | None) -> None:
+    assert kind(cmdline) == expected
+
+
+def test_cpu_spent_is_the_difference_per_kind_and_a_new_process_counts_from_zero() -> None:
+    before = {("token", 1): 2.0, ("engine", 2): 10.0}
+    after = {("token", 1): 5.0, ("engine", 2): 12.5, ("token", 3): 0.25, ("daemon", 4): 1.0}
+    assert spent(before, after) == {"token": 3.25, "engine": 2.5, "daemon": 1.0}
