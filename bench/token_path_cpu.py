@@ -16,9 +16,10 @@ import argparse
 import asyncio
 from collections.abc import Iterable
 
+import msgspec
 import psutil
 
-from bench.live.cli import LOCAL_TOPOLOGY, build_parser, measure
+from bench.live.cli import DEFAULT_SLO, LOCAL_TOPOLOGY, build_parser, measure
 from bench.live.systems import known, started
 
 # What a process is, by its command line: token path, engine, or Ray/Serve daemon.
@@ -65,6 +66,14 @@ def spent(before: dict[tuple[str, int], float], after: dict[tuple[str, int], flo
     return total
 
 
+def _bench_args(argv: list[str]) -> argparse.Namespace:
+    """`pdserve bench`'s arguments, completed as its main completes them (no token, the default SLO)."""
+    args = build_parser().parse_args(argv)
+    args.slo = msgspec.structs.replace(DEFAULT_SLO, **args.slo)
+    args.token = None
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--systems", default="aggregated,vllm")
@@ -78,8 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown system {', '.join(unknown)}")
     common = ["--mode", "concurrency", "--concurrency", str(args.concurrency), "--input-len", args.input_len]
     common += ["--output-len", args.output_len, "--warmup", "0"]
-    warmup = build_parser().parse_args([*common, "--num-requests", str(args.concurrency)])
-    run = build_parser().parse_args([*common, "--num-requests", str(args.num_requests)])
+    warmup = _bench_args([*common, "--num-requests", str(args.concurrency)])
+    run = _bench_args([*common, "--num-requests", str(args.num_requests)])
     rows = []
     for system in systems:
         print(f"starting {system} ...", flush=True)

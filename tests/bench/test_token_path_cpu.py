@@ -29,3 +29,11 @@ def test_cpu_spent_is_the_difference_per_kind_and_a_new_process_counts_from_zero
     before = {("token", 1): 2.0, ("engine", 2): 10.0}
     after = {("token", 1): 5.0, ("engine", 2): 12.5, ("token", 3): 0.25, ("daemon", 4): 1.0}
     assert spent(before, after) == {"token": 3.25, "engine": 2.5, "daemon": 1.0}
+
+
+def test_the_workload_is_pdserve_benchs_own_arguments_completed_as_its_main_does() -> None:
+    from bench.token_path_cpu import _bench_args
+
+    args = _bench_args(["--mode", "concurrency", "--concurrency", "4", "--num-requests", "8"])
+    assert args.token is None and args.concurrency == 4 and args.num_requests == 8
+    assert args.slo.ttft_s > 0  # the default SLO, as a struct (pdserve bench's main turns it into one too)
