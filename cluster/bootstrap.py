@@ -161,6 +161,8 @@ def remove_leaked_shm(since: float, shm_dir: Path = Path("/dev/shm")) -> list[st
 
 def router_process(topo: Topology, model_dir: Path, app_name: str) -> RouterProcess:
     """The router of a deployed application (its Serve handles exist once the application runs)."""
+    import ray
+
     from router.process import RouterProcess  # loads the tokenizer stack: only in the process that routes
 
     return RouterProcess(
@@ -171,6 +173,8 @@ def router_process(topo: Topology, model_dir: Path, app_name: str) -> RouterProc
         app_name=app_name,
         has_prefill=topo.pools.prefill.replicas > 0,
         kv_readback_ttl_s=topo.pools.kv_readback_ttl_s,
+        # As the engines' own sockets (cluster/serve_app.py): ipc on a cluster pdserve runs on this machine.
+        token_host=None if topo.ray.address is None else ray.util.get_node_ip_address(),
     )
 
 

@@ -1,28 +1,38 @@
 """The decode replica: pulls a prompt's KV from a prefill replica (or prefills locally when it has no
-transfer parameters) and streams generated tokens back in batches."""
+transfer parameters) and streams generated tokens in batches to the router that asked, over that router's
+token channel (engine/token_sender.py)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 from decode.engine import DecodeEngine
 from engine.double import DoubleEngineHost
-from engine.messages import EngineRequest, TokenBatch
+from engine.messages import EngineRequest, ReplyTo
 from engine.replica import EngineReplica
+from engine.token_sender import TokenSender
 
 
 class DecodeReplica(EngineReplica):
     HOST = DecodeEngine
     host: DecodeEngine | DoubleEngineHost
 
+    async def __init__(self) -> None:  # type: ignore[misc]
+        await super().__init__()
+        self._tokens = TokenSender()
+
     # replica_hint: the router's choice, read by its Serve request router (router/legs/replica_hint.py).
     # replica_avoid: failed replicas the Serve request router must not choose (read there, unused here).
     async def generate(
-        self, req: EngineRequest, replica_hint: str | None = None, replica_avoid: tuple[str, ...] = ()
-    ) -> AsyncIterator[TokenBatch]:
-        async for batch in self.host.generate(req):
-            yield batch
+        self,
+        req: EngineRequest,
+        reply_to: ReplyTo,
+        replica_hint: str | None = None,
+        replica_avoid: tuple[str, ...] = (),
+    ) -> int:
+        """Stream the request's batches to the router's token channel (`reply_to`); returns how many were
+        sent once the last one is. Cancelled (the router gave the request up): the engine aborts it."""
+        return await self._tokens.stream(reply_to, self.host.generate(req))
 
     async def release(
         self,
@@ -42,3 +52,9 @@ class DecodeReplica(EngineReplica):
         if replica_hint != self.host.replica_id:
             return None
         return await self.host.export(req)
+
+    def __del__(self) -> None:
+        tokens = getattr(self, "_tokens", None)
+        if tokens is not None:
+            tokens.close()
+        super().__del__()

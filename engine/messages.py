@@ -99,9 +99,9 @@ class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
     top: list[tuple[int, str, float]]
 
 
-class TokenBatch(msgspec.Struct, frozen=True, kw_only=True):
-    """A batch of generated tokens streamed from a decode replica (batched by count and by time, since
-    every Ray streaming yield costs ~0.5 ms whatever it carries)."""
+class TokenBatch(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """A batch of generated tokens streamed from a decode replica (batched by count and by time: every batch
+    is a message to the client)."""
 
     token_ids: list[int]
     text: str
@@ -119,6 +119,30 @@ class TokenBatch(msgspec.Struct, frozen=True, kw_only=True):
     pinned_kv: dict[str, Any] | None = None
     # With Sampling.logprobs set: one per token id.
     logprobs: list[TokenLogprob] | None = None
+
+
+class ReplyTo(msgspec.Struct, frozen=True, array_like=True):
+    """Where a decode leg's tokens go: a router's token channel, and the leg's number there (a router numbers
+    its legs itself: request ids come from clients and need not be unique)."""
+
+    address: str
+    leg: int
+
+
+class TokenItem(msgspec.Struct, frozen=True, array_like=True):
+    """One batch of one decode leg on a token channel; `seq` numbers the leg's batches from 0, so a router
+    can tell that none went missing."""
+
+    leg: int
+    seq: int
+    batch: TokenBatch
+
+
+class TokenFrame(msgspec.Struct, frozen=True, array_like=True):
+    """One message on a token channel (engine/token_sender.py -> router/legs/token_receiver.py): every batch
+    a decode replica produced for one router since its last frame, across all of that router's requests."""
+
+    items: list[TokenItem]
 
 
 class GpuSample(msgspec.Struct, frozen=True, kw_only=True):

@@ -26,3 +26,8 @@ class NoReplicaError(Exception):
 
 class Overloaded(Exception):
     """Admission refused: the cluster has too many prompt tokens in flight (RESOURCE_EXHAUSTED)."""
+
+
+class ClientNotReading(Exception):
+    """The client left too much of its stream unread; the request was ended and its engine request aborted
+    (RESOURCE_EXHAUSTED)."""

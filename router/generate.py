@@ -23,7 +23,7 @@ from engine.messages import TokenBatch
 from pdserve_client.api import pdserve_pb2 as pb
 from router.config import LiveConfig
 from router.decision.decider import Decider
-from router.errors import NoReplicaError, Overloaded, RequestFailed
+from router.errors import ClientNotReading, NoReplicaError, Overloaded, RequestFailed
 from router.intake.prompt import PromptIntake
 from router.legs.orchestrator import Orchestrator
 from router.messages import Finished, OutputDelta
@@ -120,6 +120,8 @@ class GeneratePath:
                 raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from exc
             except NoReplicaError as exc:
                 raise RequestFailed(grpc.StatusCode.UNAVAILABLE, str(exc)) from exc
+            except ClientNotReading as exc:
+                raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from exc
 
 
 def served_request_id(client_id: str) -> str:

@@ -34,6 +34,7 @@ from router.intake.prompt import PromptIntake
 from router.intake.tokenizer import PromptTokenizer
 from router.intake.validation import ModelLimits
 from router.legs.orchestrator import Orchestrator
+from router.legs.token_receiver import TokenReceiver
 from router.metrics import RouterMetrics
 from router.policy.selector import PdservePolicy
 from router.sessions import Sessions
@@ -53,8 +54,11 @@ class RouterProcess:
         app_name: str,
         has_prefill: bool,
         kv_readback_ttl_s: int = 0,
+        token_host: str | None = None,
     ) -> None:
-        """`kv_readback_ttl_s`: how long decode engines keep a finished turn's KV pinned (0: no readback)."""
+        """`kv_readback_ttl_s`: how long decode engines keep a finished turn's KV pinned (0: no readback).
+        `token_host`: the address decode replicas send this router's tokens to (None: all on this machine,
+        over an ipc socket)."""
         self.model = model
         self.server = server
         self.config = LiveConfig(router)
@@ -81,7 +85,10 @@ class RouterProcess:
             self._token = os.environ.get(server.auth_token_env)
             if not self._token:
                 raise RuntimeError(f"server.auth_token_env names {server.auth_token_env}, which is not set")
-        self.legs = Orchestrator(prefill, decode, block_size=model.block_size, config=self.config)
+        self.tokens = TokenReceiver(token_host)
+        self.legs = Orchestrator(
+            prefill, decode, tokens=self.tokens, block_size=model.block_size, config=self.config
+        )
         self.decider = Decider(
             view=self.view,
             policy=self.policy,
@@ -205,6 +212,7 @@ class RouterProcess:
             await server.stop(grace=10.0)
             view_task.cancel()
             config_task.cancel()
+            self.tokens.close()
 
     async def _start_http(self) -> HttpServer:
         cfg = self.server

@@ -3,6 +3,7 @@
 import os
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,15 @@ if "RAY_AUTH_TOKEN" not in os.environ and TOKEN_PATH_ENV not in os.environ:
     ensure_ray_token(create=True)
 
 _EXIT_STATUS = pytest.StashKey[int]()
+
+
+@pytest.fixture(autouse=True)
+def _close_token_channels() -> Iterator[None]:
+    """The token channels a test's stand-in decode pool opened (tests/decode_pool.py)."""
+    yield
+    decode_pool = sys.modules.get("decode_pool")
+    if decode_pool is not None:
+        decode_pool.close_all()
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from decode_pool import StandInDecodePool, token_receiver
 from grpc_health.v1 import health_pb2
 from ports import free_port
 
@@ -51,56 +52,31 @@ class _Registry:
     report_failed = _Call(None)
 
 
-class _Decode:
+def _decode_pool(
+    tokenizer: PromptTokenizer, output: list[str] | None, seen: list[EngineRequest]
+) -> StandInDecodePool:
     """Streams `output` (text pieces, one batch each; default "a", "b" as ids 5, 6) for any request, and
     records the requests it got in `seen`."""
+    if output is None:
+        pieces = [([5], "a"), ([6], "b")]
+    else:
+        pieces = [(tokenizer.encode_rendered(text), text) for text in output]
 
-    def __init__(
-        self, tokenizer: PromptTokenizer, output: list[str] | None, seen: list[EngineRequest]
-    ) -> None:
-        if output is None:
-            self._batches = [([5], "a"), ([6], "b")]
-        else:
-            self._batches = [(tokenizer.encode_rendered(text), text) for text in output]
-        self._seen = seen
-
-    def options(self, stream: bool) -> _Decode:
-        return self
-
-    @property
-    def generate(self) -> _Decode:
-        return self
-
-    def remote(
-        self, req: EngineRequest, replica_hint: str | None = None, replica_avoid: tuple[str, ...] = ()
-    ) -> Any:
-        self._seen.append(req)
-        return _Stream(req, self._batches)
-
-
-class _Stream:
-    def __init__(self, req: EngineRequest, batches: list[tuple[list[int], str]]) -> None:
-        self.req = req
-        self._batches = batches
-
-    def __aiter__(self) -> AsyncIterator[TokenBatch]:
-        return self._gen()
-
-    async def _gen(self) -> AsyncIterator[TokenBatch]:
-        *first, (last_ids, last_text) = self._batches
+    async def batches(req: EngineRequest, replica_hint: str | None) -> AsyncIterator[TokenBatch]:
+        seen.append(req)
+        *first, (last_ids, last_text) = pieces
         for ids, text in first:
             yield TokenBatch(token_ids=ids, text=text, replica_id="D1")
         yield TokenBatch(
             token_ids=last_ids,
             text=last_text,
             finish_reason="stop",
-            num_prompt_tokens=len(self.req.prompt_token_ids),
+            num_prompt_tokens=len(req.prompt_token_ids),
             replica_id="D1",
             node_id="n1",
         )
 
-    def cancel(self) -> None:
-        return None
+    return StandInDecodePool(batches)
 
 
 async def _no_replicas() -> list[pb.Replica]:
@@ -123,7 +99,7 @@ def generate_path(
         decider=Decider(
             view=view, policy=PdservePolicy(), block_size=32, has_prefill_pool=False, config=LiveConfig()
         ),
-        legs=Orchestrator(None, decode, block_size=32, config=LiveConfig()),
+        legs=Orchestrator(None, decode, tokens=token_receiver(), block_size=32, config=LiveConfig()),
         metrics=metrics,
     )
 
@@ -147,7 +123,7 @@ def endpoint(
 
     async def serve() -> None:
         tokenizer = PromptTokenizer(model_dir)
-        decode = _Decode(tokenizer, output, [] if seen is None else seen)
+        decode = _decode_pool(tokenizer, output, [] if seen is None else seen)
         path = generate_path(tokenizer, decode, ClusterView(_Registry(), block_size=32), tool_parser="hermes")
         service = PdserveService(path, block_size=32, cluster_status=_no_replicas)
         server, health = await start_grpc_server(

@@ -7,7 +7,8 @@
         is first asked to pin (`Route.export_replica`; if that pins nothing, prefill computes the prefix and
         the completion says so). Legs reach each prefill replica in decision order (leg_order.py).
 
-KV bytes never pass through here: only token ids, text and NIXL's small control parameters. Cancellation
+KV bytes never pass through here: only token ids, text and NIXL's small control parameters. Decode replicas
+send tokens over this router's token channel (token_receiver.py), a frame per engine step. Cancellation
 propagates (the Serve call is cancelled, the engine aborts the request); a decode leg that ends before its
 first token has the prefill engine free the KV nobody will pull. Failover (`serve`): when a leg's replica
 dies or its engine fails, the request goes on elsewhere with the tokens streamed so far appended to its
@@ -42,6 +43,7 @@ from router.config import LiveConfig
 from router.decision.readback import block_id_groups, cut_pinned
 from router.errors import NoReplicaError
 from router.legs.leg_order import LegOrder, Ticket
+from router.legs.token_receiver import ChannelLost, TokenReceiver
 from router.messages import RequestSummary, Route
 from router.request.lifecycle import RequestLifecycle
 
@@ -70,12 +72,15 @@ class Orchestrator:
         prefill: Any | None,
         decode: Any,
         *,
+        tokens: TokenReceiver,
         block_size: int,
         config: LiveConfig | None = None,
         export_timeout_s: float = 5.0,
     ) -> None:
         """`prefill`/`decode`: Serve deployment handles (prefill None when the topology has no pool).
-        `config`: the router's settings (how decode legs batch their tokens; None: they do not)."""
+        `tokens`: where decode replicas send this router's tokens. `config`: the router's settings (how decode
+        legs batch their tokens; None: they do not)."""
+        self._tokens = tokens
         self._config = config
         self._prefill = prefill
         self._decode = decode
@@ -336,24 +341,26 @@ class Orchestrator:
             raise
 
     async def _decode_leg(self, req: EngineRequest, route: Route) -> AsyncGenerator[TokenBatch, None]:
-        stream = self._decode.options(stream=True).generate.remote(
-            req, replica_hint=route.decode_replica, replica_avoid=route.avoid
+        """The decode leg: a Serve call that stays open while the replica pushes its batches to this router's
+        token channel (token_receiver.py); closing this cancels the call, which aborts the engine request."""
+        reply_to = self._tokens.open()
+        call = self._decode.generate.remote(
+            req, reply_to, replica_hint=route.decode_replica, replica_avoid=route.avoid
         )
         streaming_from = ""  # every batch names its replica: once one came, the loss is known for sure
-        finished = False
         try:
-            async for batch in stream:
-                streaming_from = batch.replica_id or streaming_from
-                finished = batch.finish_reason is not None
-                yield batch
+            async with contextlib.aclosing(self._tokens.stream(reply_to, call)) as batches:
+                async for batch in batches:
+                    streaming_from = batch.replica_id or streaming_from
+                    yield batch
         except REPLICA_LOST as exc:
             log.warning("decode leg of %s: replica lost: %s", req.request_id, exc)
             raise LegFailed("decode", streaming_from, "its replica process died") from exc
         except ReplicaFailed as exc:
             raise LegFailed("decode", exc.replica_id, exc.reason) from exc
-        finally:
-            if not finished:
-                stream.cancel()
+        except ChannelLost as exc:
+            log.warning("decode leg of %s: %s", req.request_id, exc)
+            raise LegFailed("decode", streaming_from, str(exc)) from exc
 
     def _handed_off_tokens(self, kv_params: dict[str, Any] | None, prompt_len: int) -> int:
         """Prompt tokens whose KV the prefill engine handed off (its block ids x block size)."""

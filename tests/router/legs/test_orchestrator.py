@@ -4,16 +4,18 @@ real handles and engines are exercised in tests/e2e)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import msgspec
 import pytest
 from ray.exceptions import ActorDiedError
 
-from engine.messages import EngineRequest, PrefillResult, ReplicaFailed, Sampling, TokenBatch
+from engine.messages import EngineRequest, PrefillResult, ReplicaFailed, ReplyTo, Sampling, TokenBatch
+from engine.token_sender import TokenSender
 from router.errors import NoReplicaError
-from router.legs.orchestrator import Orchestrator
+from router.legs.orchestrator import MOVE_BACKOFF_S, Orchestrator
+from router.legs.token_receiver import TokenReceiver
 from router.messages import RequestSummary, Route
 
 PROMPT = list(range(100, 200))
@@ -41,24 +43,27 @@ HANG = object()  # a stream that never sends its next batch
 
 
 class _Stream:
+    """A decode engine's batches (or an exception: the replica fails there); `cancelled` once the router
+    gave the stream up (the engine request would be aborted)."""
+
     def __init__(self, batches: list[Any]) -> None:
         self._batches = batches
         self.cancelled = False
 
-    def __aiter__(self) -> AsyncIterator[TokenBatch]:
-        return self._gen()
-
-    async def _gen(self) -> AsyncIterator[TokenBatch]:
-        for b in self._batches:
-            await asyncio.sleep(0)
-            if b is HANG:
-                await asyncio.Event().wait()
-            if isinstance(b, BaseException):
-                raise b
-            yield b
-
-    def cancel(self) -> None:
-        self.cancelled = True
+    async def gen(self) -> AsyncIterator[TokenBatch]:
+        try:
+            for b in self._batches:
+                await asyncio.sleep(0)
+                if b is HANG:
+                    await asyncio.Event().wait()
+                if isinstance(b, BaseException):
+                    # A replica's failure reaches the router after the batches it sent before it.
+                    await asyncio.sleep(0.02)
+                    raise b
+                yield b
+        except (GeneratorExit, asyncio.CancelledError):
+            self.cancelled = True
+            raise
 
 
 class FakePrefill:
@@ -75,6 +80,9 @@ class FakePrefill:
 
 
 class FakeDecode:
+    """The decode deployment's handle: `generate` sends each stream's batches over the real token channel
+    to the router's receiver (`tokens`), as a decode replica does."""
+
     def __init__(self, streams: list[list[Any]]) -> None:
         self.streams = streams
         self.calls: list[tuple[EngineRequest, str | None]] = []
@@ -82,19 +90,41 @@ class FakeDecode:
         self.opened: list[_Stream] = []
         self.avoided: list[tuple[str, ...]] = []
         self.release = FakeRelease()
-
-    def options(self, stream: bool) -> FakeDecode:
-        assert stream
-        return self
+        self.tokens = TokenReceiver()
+        self._sender = TokenSender()
+        OPEN.append(self)
 
     def remote(
-        self, req: EngineRequest, replica_hint: str | None = None, replica_avoid: tuple[str, ...] = ()
-    ) -> _Stream:
+        self,
+        req: EngineRequest,
+        reply_to: ReplyTo,
+        replica_hint: str | None = None,
+        replica_avoid: tuple[str, ...] = (),
+    ) -> asyncio.Task[int]:
+        assert reply_to.address == self.tokens.address
         self.calls.append((req, replica_hint))
         self.avoided.append(replica_avoid)
         s = _Stream(self.streams.pop(0))
         self.opened.append(s)
-        return s
+        return asyncio.ensure_future(self._sender.stream(reply_to, s.gen()))
+
+    def close(self) -> None:
+        self._sender.close()
+        self.tokens.close()
+
+
+OPEN: list[FakeDecode] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_channels() -> Iterator[None]:
+    yield
+    while OPEN:
+        OPEN.pop().close()
+
+
+def orchestrator(prefill: Any, decode: FakeDecode, **kwargs: Any) -> Orchestrator:
+    return Orchestrator(prefill, decode, tokens=decode.tokens, **kwargs)
 
 
 class FakeRelease:
@@ -145,7 +175,7 @@ async def run(orch: Orchestrator, route: Route) -> tuple[list[TokenBatch], Reque
 async def test_disaggregated_request_hands_the_prefill_kv_params_to_decode() -> None:
     prefill = FakePrefill([prefill_result(KV)])
     decode = FakeDecode([[tokens(1), tokens(2, 3, final=True)]])
-    orch = Orchestrator(prefill, decode, block_size=32)
+    orch = orchestrator(prefill, decode, block_size=32)
     batches, done = await run(orch, Route(prefill=True, prefill_replica="P1", decode_replica="D1"))
     assert [t for b in batches for t in b.token_ids] == [1, 2, 3]
     assert prefill.calls[0][1] == "P1" and decode.calls[0][1] == "D1"  # the policy's choice travels as a hint
@@ -156,7 +186,7 @@ async def test_disaggregated_request_hands_the_prefill_kv_params_to_decode() -> 
 
 async def test_prefill_without_kv_params_makes_decode_prefill_in_full_and_says_so() -> None:
     decode = FakeDecode([[tokens(7, final=True)]])
-    orch = Orchestrator(FakePrefill([prefill_result(None)]), decode, block_size=32)
+    orch = orchestrator(FakePrefill([prefill_result(None)]), decode, block_size=32)
     _, done = await run(orch, Route(prefill=True))
     assert decode.calls[0][0].kv_transfer_params is None
     assert done.path == "decode_full_prefill"
@@ -166,7 +196,7 @@ async def test_prefill_without_kv_params_makes_decode_prefill_in_full_and_says_s
 
 async def test_local_prefill_skips_the_prefill_leg() -> None:
     prefill = FakePrefill([])
-    orch = Orchestrator(prefill, FakeDecode([[tokens(1, final=True)]]), block_size=32)
+    orch = orchestrator(prefill, FakeDecode([[tokens(1, final=True)]]), block_size=32)
     _, done = await run(orch, Route(prefill=False, decode_replica="D1"))
     assert prefill.calls == [] and done.path == "local_prefill" and done.prefill_replica == ""
 
@@ -219,7 +249,7 @@ def from_replica(batch: TokenBatch, replica_id: str) -> TokenBatch:
 
 async def test_a_lost_prefill_replica_sends_the_request_on_a_new_route() -> None:
     prefill = FakePrefill([ActorDiedError(), prefill_result(KV)])
-    orch = Orchestrator(prefill, FakeDecode([[tokens(1, 2, 3, final=True)]]), block_size=32)
+    orch = orchestrator(prefill, FakeDecode([[tokens(1, 2, 3, final=True)]]), block_size=32)
     failover = Failover(Route(prefill=True, prefill_replica="P2", decode_replica="D1"))
     ids, done = await serve(orch, Route(prefill=True, prefill_replica="P1"), failover)
     assert [hint for _, hint in prefill.calls] == ["P1", "P2"]
@@ -231,7 +261,7 @@ async def test_a_lost_prefill_replica_sends_the_request_on_a_new_route() -> None
 
 async def test_a_failed_prefill_engine_is_reported_and_its_request_routed_again() -> None:
     prefill = FakePrefill([ReplicaFailed("P1", "its vLLM engine core died"), prefill_result(KV)])
-    orch = Orchestrator(prefill, FakeDecode([[tokens(1, 2, 3, final=True)]]), block_size=32)
+    orch = orchestrator(prefill, FakeDecode([[tokens(1, 2, 3, final=True)]]), block_size=32)
     failover = Failover(Route(prefill=True, prefill_replica="P2"))
     await serve(orch, Route(prefill=True, prefill_replica="P1"), failover)
     assert failover.failed == [("P1", "its vLLM engine core died")]
@@ -242,7 +272,7 @@ async def test_a_decode_replica_lost_mid_stream_continues_elsewhere_from_the_tok
     decode = FakeDecode(
         [[from_replica(tokens(11), "D1"), ActorDiedError()], [tokens(12), tokens(13, final=True)]]
     )
-    orch = Orchestrator(FakePrefill([prefill_result(KV)]), decode, block_size=32)
+    orch = orchestrator(FakePrefill([prefill_result(KV)]), decode, block_size=32)
     failover = Failover(Route(prefill=False, decode_replica="D2"))
     ids, done = await serve(orch, Route(prefill=True, decode_replica="D1"), failover)
     # One stream for the client: the continuation's prompt is the original plus what was streamed, its
@@ -262,7 +292,7 @@ async def test_a_continuation_tells_serve_which_replicas_failed() -> None:
     decode = FakeDecode(
         [[tokens(11), ReplicaFailed("D1", "its vLLM engine core died")], [tokens(12, 13, final=True)]]
     )
-    orch = Orchestrator(FakePrefill([]), decode, block_size=32)
+    orch = orchestrator(FakePrefill([]), decode, block_size=32)
     failover = Failover(Route(prefill=False, decode_replica="D2", avoid=("D1",)))
     await serve(orch, Route(prefill=False, decode_replica="D1"), failover)
     assert decode.avoided == [(), ("D1",)]
@@ -272,13 +302,13 @@ async def test_failing_again_at_once_waits_before_the_next_move(monkeypatch: pyt
     slept: list[float] = []
 
     async def sleep(s: float) -> None:
-        if s:  # the stand-in streams yield with sleep(0)
+        if s >= MOVE_BACKOFF_S:  # the stand-in streams sleep too, for less
             slept.append(s)
 
     monkeypatch.setattr("router.legs.orchestrator.asyncio.sleep", sleep)
     dead = ReplicaFailed("D1", "its vLLM engine core died")
     decode = FakeDecode([[dead], [dead], [dead], [tokens(1, 2, 3, final=True)]])
-    orch = Orchestrator(FakePrefill([]), decode, block_size=32)
+    orch = orchestrator(FakePrefill([]), decode, block_size=32)
     failover = Failover(*[Route(prefill=False, decode_replica="D1")] * 3)
     ids, _ = await serve(orch, Route(prefill=False, decode_replica="D1"), failover, attempts=3)
     assert ids == [1, 2, 3] and slept == [0.5, 1.0]  # the first move at once
@@ -288,7 +318,7 @@ async def test_a_failed_engine_names_itself_and_the_request_goes_on() -> None:
     decode = FakeDecode(
         [[tokens(11), ReplicaFailed("D1", "its vLLM engine core died")], [tokens(12, 13, final=True)]]
     )
-    orch = Orchestrator(FakePrefill([]), decode, block_size=32)
+    orch = orchestrator(FakePrefill([]), decode, block_size=32)
     failover = Failover(Route(prefill=False, decode_replica="D2"))
     ids, _ = await serve(orch, Route(prefill=False, decode_replica="D1"), failover)
     assert ids == [11, 12, 13] and failover.failed == [("D1", "its vLLM engine core died")]
@@ -296,7 +326,7 @@ async def test_a_failed_engine_names_itself_and_the_request_goes_on() -> None:
 
 async def test_failover_gives_up_after_its_attempts_with_a_message_fit_for_a_client() -> None:
     decode = FakeDecode([[ActorDiedError()], [ActorDiedError()]])
-    orch = Orchestrator(FakePrefill([]), decode, block_size=32)
+    orch = orchestrator(FakePrefill([]), decode, block_size=32)
     failover = Failover(Route(prefill=False, decode_replica="D2"))
     with pytest.raises(NoReplicaError) as info:
         await serve(orch, Route(prefill=False, decode_replica="D1"), failover, attempts=1)
@@ -307,12 +337,13 @@ async def test_failover_gives_up_after_its_attempts_with_a_message_fit_for_a_cli
 
 
 async def test_a_consumer_that_stops_early_cancels_the_decode_stream() -> None:
-    decode = FakeDecode([[tokens(1), tokens(2), tokens(3, final=True)]])
-    orch = Orchestrator(FakePrefill([prefill_result(KV)]), decode, block_size=32)
+    decode = FakeDecode([[tokens(1), HANG, tokens(3, final=True)]])  # the engine is still generating
+    orch = orchestrator(FakePrefill([prefill_result(KV)]), decode, block_size=32)
     events = orch.run("r", PROMPT, Sampling(max_tokens=3), Route(prefill=True))
     first = await anext(events)
     assert isinstance(first, TokenBatch)
     await events.aclose()  # the client went away
+    await settled()  # the call's cancellation reaches the replica
     assert decode.opened[0].cancelled
 
 
@@ -324,7 +355,7 @@ async def settled() -> None:
 
 async def test_a_request_cancelled_before_decode_pulled_its_kv_frees_it_on_the_prefill_engine() -> None:
     decode = FakeDecode([[HANG]])
-    orch = Orchestrator(FakePrefill([prefill_result(KV)]), decode, block_size=32)
+    orch = orchestrator(FakePrefill([prefill_result(KV)]), decode, block_size=32)
     task = asyncio.ensure_future(run(orch, Route(prefill=True, prefill_replica="P1", decode_replica="D1")))
     await settled()  # prefilled; the decode call is out, its first batch never comes
     assert decode.calls
@@ -338,7 +369,7 @@ async def test_a_request_cancelled_before_decode_pulled_its_kv_frees_it_on_the_p
 
 async def test_a_decode_replica_failing_before_it_pulled_the_kv_has_another_one_free_it() -> None:
     decode = FakeDecode([[ReplicaFailed("D1", "its vLLM engine core died")], [tokens(1, 2, 3, final=True)]])
-    orch = Orchestrator(FakePrefill([prefill_result(KV), prefill_result(KV)]), decode, block_size=32)
+    orch = orchestrator(FakePrefill([prefill_result(KV), prefill_result(KV)]), decode, block_size=32)
     failover = Failover(Route(prefill=True, decode_replica="D2"))
     ids, _ = await serve(orch, Route(prefill=True, decode_replica="D1"), failover)
     await settled()
@@ -353,7 +384,7 @@ async def test_a_decode_replica_failing_before_it_pulled_the_kv_has_another_one_
 )
 async def test_no_release_when_there_is_no_unpulled_kv(route: Route, prefilled: Any) -> None:
     decode = FakeDecode([[tokens(1), HANG]])
-    orch = Orchestrator(FakePrefill([prefill_result(prefilled)]), decode, block_size=32)
+    orch = orchestrator(FakePrefill([prefill_result(prefilled)]), decode, block_size=32)
     events = orch.run("r", PROMPT, Sampling(max_tokens=3), route)
     await anext(events)
     await events.aclose()
@@ -371,7 +402,7 @@ def pinned(*ids: int) -> TokenBatch:
 async def test_readback_params_go_to_the_prefill_leg_and_the_pin_comes_back() -> None:
     readback = {"do_remote_decode": True, "remote_engine_id": "decode-D0", "remote_block_ids": [[9]]}
     prefill = FakePrefill([prefill_result(KV)])
-    orch = Orchestrator(prefill, FakeDecode([[tokens(1), pinned(2, 3)]]), block_size=32)
+    orch = orchestrator(prefill, FakeDecode([[tokens(1), pinned(2, 3)]]), block_size=32)
     _, done = await run(orch, Route(prefill=True, readback_params=readback, pin_kv=True))
     assert prefill.calls[0][0].kv_transfer_params == readback
     assert done.pinned_kv == PIN and done.output_token_ids == [1, 2, 3]
@@ -379,7 +410,7 @@ async def test_readback_params_go_to_the_prefill_leg_and_the_pin_comes_back() ->
 
 async def test_a_local_prefill_of_a_session_asks_decode_to_pin_its_blocks() -> None:
     decode = FakeDecode([[pinned(1)], [tokens(1, final=True)]])
-    orch = Orchestrator(FakePrefill([]), decode, block_size=32)
+    orch = orchestrator(FakePrefill([]), decode, block_size=32)
     _, done = await run(orch, Route(prefill=False, pin_kv=True))
     params = decode.calls[0][0].kv_transfer_params
     assert params == {"do_remote_prefill": False, "do_remote_decode": False}  # moves nothing, pins
@@ -410,7 +441,7 @@ async def export_run(result: Any) -> tuple[FakeExport, FakePrefill, RequestSumma
     prefill = FakePrefill([prefill_result(KV)])
     decode = FakeDecode([[tokens(1, final=True)]])
     decode.export = FakeExport(result)  # type: ignore[attr-defined]
-    orch = Orchestrator(prefill, decode, block_size=16)
+    orch = orchestrator(prefill, decode, block_size=16)
     route = Route(prefill=True, prefill_replica="P1", export_replica="D2", export_tokens=48)
     _, done = await run(orch, route)
     return decode.export, prefill, done  # type: ignore[attr-defined]
@@ -467,7 +498,7 @@ async def test_a_leg_decided_after_an_exporting_one_reaches_their_prefill_replic
     prefill = FakePrefill([prefill_result(KV), prefill_result(KV)])
     decode = FakeDecode([[tokens(1, final=True)], [tokens(1, final=True)]])
     decode.export = SlowExport(EXPORTED, release)  # type: ignore[attr-defined]
-    orch = Orchestrator(prefill, decode, block_size=16)
+    orch = orchestrator(prefill, decode, block_size=16)
     exporting = Route(prefill=True, prefill_replica="P1", export_replica="D2", export_tokens=48)
     first = asyncio.create_task(run(orch, exporting))
     await asyncio.sleep(0)  # decided (and its ticket taken) first
@@ -483,7 +514,7 @@ async def test_an_export_that_does_not_answer_in_time_leaves_the_prefill_leg_to_
     prefill = FakePrefill([prefill_result(KV)])
     decode = FakeDecode([[tokens(1, final=True)]])
     decode.export = SlowExport(EXPORTED, asyncio.Event())  # type: ignore[attr-defined]
-    orch = Orchestrator(prefill, decode, block_size=16, export_timeout_s=0.05)
+    orch = orchestrator(prefill, decode, block_size=16, export_timeout_s=0.05)
     route = Route(prefill=True, prefill_replica="P1", export_replica="D2", export_tokens=48)
     _, done = await run(orch, route)
     assert done.export == "timeout" and prefill.calls[0][0].kv_transfer_params is None

@@ -4,9 +4,11 @@ at once and goes on there. (The e2e fault tests hit this when a replacement had 
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
+from decode_pool import StandInDecodePool
 from inprocess_server import generate_path
 from replicas import replica_info
 
@@ -41,48 +43,27 @@ class _Registry:
             return answer()
 
 
-class _Decode:
+class _Decode(StandInDecodePool):
     """D1's engine dies after one token; any other replica streams the rest. Records where legs went."""
 
     def __init__(self) -> None:
+        super().__init__(self._batches)
         self.legs: list[str | None] = []
 
-    def options(self, stream: bool) -> _Decode:
-        return self
-
-    @property
-    def generate(self) -> _Decode:
-        return self
-
-    def remote(self, req: EngineRequest, replica_hint: str | None = None, replica_avoid: Any = ()) -> Any:
-        self.legs.append(replica_hint)
-        return _Stream(self._batches(req, replica_hint or ""))
-
-    async def _batches(self, req: EngineRequest, replica: str) -> AsyncIterator[TokenBatch]:
+    async def _batches(self, req: EngineRequest, replica: str | None) -> AsyncIterator[TokenBatch]:
+        self.legs.append(replica)
         if replica == "D1":
             yield TokenBatch(token_ids=[5], text="a", replica_id="D1")
+            await asyncio.sleep(0.02)  # its failure reaches the router after the token it sent
             raise ReplicaFailed("D1", "its vLLM engine core died")
         yield TokenBatch(
             token_ids=[6],
             text="b",
             finish_reason="length",
             num_prompt_tokens=len(req.prompt_token_ids),
-            replica_id=replica,
+            replica_id=replica or "",
             node_id="n",
         )
-
-
-class _Stream:
-    """A Serve streaming response: iterable and cancellable."""
-
-    def __init__(self, batches: AsyncIterator[TokenBatch]) -> None:
-        self._batches = batches
-
-    def __aiter__(self) -> AsyncIterator[TokenBatch]:
-        return self._batches
-
-    def cancel(self) -> None:
-        return None
 
 
 async def test_a_continuation_finds_a_replica_that_registered_since_the_last_poll() -> None:
