@@ -8,6 +8,11 @@ is started here in turn and sent the same seeded closed-loop workload after a wa
 Engine cores (`VLLM::EngineCore`, the model's compute) and Ray's daemons are reported apart.
 
     .venv/bin/python -m bench.token_path_cpu --systems aggregated@0b48427,aggregated,vllm
+
+On engine doubles (no engine compute; 20 ms a token), the serving layer's own limits, before against after:
+
+    .venv/bin/python -m bench.token_path_cpu --systems doubles@REV,doubles --concurrency 16,64,128 \
+        --input-len fixed:512 --output-len fixed:100
 """
 
 from __future__ import annotations
@@ -77,7 +82,7 @@ def _bench_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--systems", default="aggregated,vllm")
-    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--concurrency", default="16", help="clients; a comma list runs each in turn")
     ap.add_argument("--num-requests", type=int, default=96)
     ap.add_argument("--input-len", default="fixed:256")
     ap.add_argument("--output-len", default="fixed:128")
@@ -85,36 +90,45 @@ def main(argv: list[str] | None = None) -> int:
     systems = args.systems.split(",")
     if unknown := [s for s in systems if not known(s)]:
         ap.error(f"unknown system {', '.join(unknown)}")
-    common = ["--mode", "concurrency", "--concurrency", str(args.concurrency), "--input-len", args.input_len]
-    common += ["--output-len", args.output_len, "--warmup", "0"]
-    warmup = _bench_args([*common, "--num-requests", str(args.concurrency)])
-    run = _bench_args([*common, "--num-requests", str(args.num_requests)])
+    levels = [int(c) for c in args.concurrency.split(",")]
     rows = []
     for system in systems:
         print(f"starting {system} ...", flush=True)
         with started(system, LOCAL_TOPOLOGY) as address:
-            asyncio.run(measure(warmup, address))
-            before = cpu_by_kind(psutil.process_iter())
-            _, _, results = asyncio.run(measure(run, address))
-            used = spent(before, cpu_by_kind(psutil.process_iter()))
-        (r,) = results
-        tokens = r.output_tokens_per_s * r.duration_s
-        rows.append((system, tokens, r, used))
+            for clients in levels:
+                common = ["--mode", "concurrency", "--concurrency", str(clients)]
+                common += ["--input-len", args.input_len, "--output-len", args.output_len, "--warmup", "0"]
+                warmup = _bench_args([*common, "--num-requests", str(clients)])
+                run = _bench_args([*common, "--num-requests", str(max(args.num_requests, clients))])
+                asyncio.run(measure(warmup, address))
+                before = cpu_by_kind(psutil.process_iter())
+                _, _, results = asyncio.run(measure(run, address))
+                used = spent(before, cpu_by_kind(psutil.process_iter()))
+                (r,) = results
+                rows.append((system, clients, r.output_tokens_per_s * r.duration_s, r, used))
     print(
-        f"\n{'system':<22} {'tok/s':>7} {'TPOT p50':>9} {'token-path CPU s':>17} {'µs/token':>9}"
-        f" {'engine CPU s':>13} {'daemons CPU s/s':>16}"
+        f"\n{'system':<22} {'c':>4} {'tok/s':>7} {'TTFT p50':>9} {'TPOT p50':>9} {'TPOT p99':>9}"
+        f" {'failed':>6} {'token-path CPU s':>17} {'µs/token':>9} {'engine CPU s':>13}"
+        f" {'daemons CPU s/s':>16}"
     )
-    for system, tokens, r, used in rows:
-        tpot_ms, daemons = r.tpot_s["p50"] * 1e3, used["daemon"] / r.duration_s
+    for system, clients, tokens, r, used in rows:
+        daemons = used["daemon"] / r.duration_s
         print(
-            f"{system:<22} {r.output_tokens_per_s:7.0f} {tpot_ms:7.1f}ms {used['token']:17.2f}"
-            f" {used['token'] / tokens * 1e6:9.0f} {used['engine']:13.2f} {daemons:16.2f}"
+            f"{system:<22} {clients:4d} {r.output_tokens_per_s:7.0f} {r.ttft_s['p50'] * 1e3:7.0f}ms"
+            f" {r.tpot_s['p50'] * 1e3:7.1f}ms {r.tpot_s['p99'] * 1e3:7.1f}ms {sum(r.failed.values()):6d}"
+            f" {used['token']:17.2f} {used['token'] / max(tokens, 1) * 1e6:9.0f} {used['engine']:13.2f}"
+            f" {daemons:16.2f}"
         )
-    base_system, base_tokens, base, base_used = rows[-1]
-    print(f"\nratios to {base_system}: CPU per token, tokens/s")
-    for system, tokens, r, used in rows[:-1]:
-        per_token = (used["token"] / tokens) / (base_used["token"] / base_tokens)
-        print(f"{system:<22} {per_token:6.2f}x {r.output_tokens_per_s / base.output_tokens_per_s:6.2f}x")
+    base_system = systems[-1]
+    print(f"\nratios to {base_system} at the same concurrency: CPU per token, tokens/s")
+    base = {c: (tokens, r, used) for system, c, tokens, r, used in rows if system == base_system}
+    for system, clients, tokens, r, used in rows:
+        if system == base_system:
+            continue
+        b_tokens, b_r, b_used = base[clients]
+        per_token = (used["token"] / tokens) / (b_used["token"] / b_tokens)
+        ratio = r.output_tokens_per_s / b_r.output_tokens_per_s
+        print(f"{system:<22} {clients:4d} {per_token:6.2f}x {ratio:6.2f}x")
     return 0
 
 

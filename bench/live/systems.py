@@ -3,6 +3,8 @@
 - `pd`: pdserve with its prefill and decode pools (deploy/local.yaml, every request through
   prefill -> NIXL -> decode);
 - `aggregated`: pdserve with no prefill pool (the decode engine prefills; no KV connector);
+- `doubles`: pdserve on engine test doubles (engine/double.py; 1 prefill + 2 decode replicas): the serving
+  layer's own limits, with no engine compute;
 - `vllm`: a plain `vllm serve` (vLLM's OpenAI server) of the same model, with the engine arguments and the
   core binding pdserve's aggregated decode engine gets: the baseline without pdserve's router and Serve.
 
@@ -35,7 +37,7 @@ from engine.host import free_ports
 
 REPO = Path(__file__).resolve().parents[2]
 PDSERVE = str(Path(sys.executable).with_name("pdserve"))
-SYSTEMS = ("pd", "aggregated", "vllm")
+SYSTEMS = ("pd", "aggregated", "doubles", "vllm")
 READY_TIMEOUT_S = 600.0
 
 
@@ -80,6 +82,15 @@ class LocalCluster:
 PDSERVE_SYSTEMS: dict[str, dict[str, Any]] = {
     "pd": {"router.mode": "disaggregate"},  # no local-prefill shortcut: this measures the P/D path
     "aggregated": {"pools.prefill.replicas": 0},
+    # The engine test double (20 ms a token, no vLLM): what the serving layer alone sustains, with engines
+    # that never slow down. 1 prefill + 2 decode replicas.
+    "doubles": {
+        "model.engine": "double",
+        "pools.decode.replicas": 2,
+        "pools.decode.max_ongoing_requests": 256,
+        "pools.prefill.max_ongoing_requests": 512,
+        "router.overload_queue_tokens": 1_000_000,
+    },
 }
 
 

@@ -126,13 +126,16 @@ class TokenReceiver:
         inbox.cancel = call.cancel
         ended: asyncio.Future[int] = asyncio.ensure_future(_result(call))
         ended.add_done_callback(inbox.wake)
+        finished = False
         try:
             deadline: float | None = None
             while True:
                 if inbox.batches:
                     batch = inbox.batches.popleft()
-                    yield batch
                     if batch.finish_reason is not None:
+                        finished = True
+                    yield batch
+                    if finished:
                         return
                     continue
                 if inbox.broken is not None:
@@ -153,9 +156,12 @@ class TokenReceiver:
                 await inbox.wait()
         finally:
             del self._inboxes[leg]
-            if not ended.done():
+            if finished:
+                # The call returns on its own, just after its last batch: nothing to cancel.
+                ended.add_done_callback(_log_late_failure)
+            elif not ended.done():
                 call.cancel()
-                ended.cancel()
+                ended.add_done_callback(_log_late_failure)
 
     def deliver(self, frame: TokenFrame) -> None:
         self.frames += 1
@@ -205,3 +211,9 @@ class TokenReceiver:
 
 async def _result(call: Awaitable[Any]) -> int:
     return int(await call)
+
+
+def _log_late_failure(ended: asyncio.Future[int]) -> None:
+    """A call whose leg the router already ended: its outcome changes nothing, but is retrieved."""
+    if not ended.cancelled() and (exc := ended.exception()) is not None:
+        log.debug("a decode call ended after its leg: %r", exc)
