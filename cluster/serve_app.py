@@ -71,6 +71,7 @@ def engine_spec(topo: Topology, role: str) -> EngineSpec:
         cpu_kv_cache_gib=pool.cpu_engine.kv_cache_gib if not pool.uses_gpus else 1,
         bind_host="127.0.0.1" if topo.ray.address is None else None,
         hang_timeout_s=pool.hang_timeout_s,
+        otlp_traces_endpoint=topo.server.otlp_traces_endpoint,
     )
 
 

@@ -4,13 +4,17 @@ token channel (engine/token_sender.py)."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Any
+
+from opentelemetry.trace import Span
 
 from decode.engine import DecodeEngine
 from engine.double import DoubleEngineHost
-from engine.messages import EngineRequest, ReplyTo
+from engine.messages import EngineRequest, ReplyTo, TokenBatch
 from engine.replica import EngineReplica
 from engine.token_sender import TokenSender
+from engine.tracing import child_span
 
 
 class DecodeReplica(EngineReplica):
@@ -32,7 +36,10 @@ class DecodeReplica(EngineReplica):
     ) -> int:
         """Stream the request's batches to the router's token channel (`reply_to`); returns how many were
         sent once the last one is. Cancelled (the router gave the request up): the engine aborts it."""
-        return await self._tokens.stream(reply_to, self.host.generate(req))
+        replica = self.host.replica_id
+        with child_span(self.tracer, "decode_replica.generate", req.trace_context, replica=replica) as span:
+            batches = self.host.generate(req)
+            return await self._tokens.stream(reply_to, batches if span is None else _marked(batches, span))
 
     async def release(
         self,
@@ -51,10 +58,23 @@ class DecodeReplica(EngineReplica):
         one is busy, and that one would compute the whole prefix, stalling its decodes for nothing."""
         if replica_hint != self.host.replica_id:
             return None
-        return await self.host.export(req)
+        replica = self.host.replica_id
+        with child_span(self.tracer, "decode_replica.export", req.trace_context, replica=replica):
+            return await self.host.export(req)
 
     def __del__(self) -> None:
         tokens = getattr(self, "_tokens", None)
         if tokens is not None:
             tokens.close()
         super().__del__()
+
+
+async def _marked(batches: AsyncIterator[TokenBatch], span: Span) -> AsyncIterator[TokenBatch]:
+    """`batches`, with the first token's arrival as an event of the leg's span (after a KV pull: the pull and
+    the first decode step are done)."""
+    first = True
+    async for batch in batches:
+        if first and batch.token_ids:
+            span.add_event("first_token")
+            first = False
+        yield batch

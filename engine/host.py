@@ -183,6 +183,8 @@ class EngineHost:
             "enable_prefix_caching": True,
             "disable_log_stats": False,
         }
+        if spec.otlp_traces_endpoint is not None:
+            kwargs["otlp_traces_endpoint"] = spec.otlp_traces_endpoint
         if spec.kv_transfer:
             kwargs["kv_transfer_config"] = {
                 "kv_connector": "NixlConnector",
@@ -239,7 +241,10 @@ class EngineHost:
             self._busy_since = time.monotonic()
         self._inflight += 1
         outputs = self._llm.generate(
-            {"prompt_token_ids": req.prompt_token_ids}, params, request_id=req.request_id
+            {"prompt_token_ids": req.prompt_token_ids},
+            params,
+            request_id=req.request_id,
+            trace_headers=req.trace_context,  # vLLM's own spans join the request's trace
         ).__aiter__()
         # A hung engine raises nothing: the request waits on the failure too (see `failure`).
         failed = asyncio.ensure_future(self._failed.wait())

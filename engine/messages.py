@@ -73,6 +73,8 @@ class EngineRequest(msgspec.Struct, frozen=True, kw_only=True):
     kv_transfer_params: dict[str, Any] | None = None
     # None: every engine output is sent as it comes.
     stream: StreamBatch | None = None
+    # W3C trace headers of the router's request span (engine/tracing.py); None when tracing is off.
+    trace_context: dict[str, str] | None = None
 
 
 class PrefillResult(msgspec.Struct, frozen=True, kw_only=True):

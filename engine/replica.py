@@ -9,12 +9,14 @@ from typing import ClassVar
 
 import msgspec
 import ray
+from opentelemetry.trace import Tracer
 from ray import serve
 
 from engine.double import DoubleEngineHost
 from engine.host import EngineHost
 from engine.messages import EngineStats, ReplicaInfo
 from engine.spec import spec_from_env
+from engine.tracing import otlp_tracer
 
 # How often a replica refreshes its registry entry (cluster/registry.py expires it after EXPIRY_S).
 HEARTBEAT_S = 2.0
@@ -29,6 +31,8 @@ class EngineReplica:
     # test double, which speaks both roles.
     HOST: ClassVar[type[EngineHost]] = EngineHost
     host: EngineHost | DoubleEngineHost
+    # Where this replica's spans of a request go (engine/tracing.py); None: tracing off.
+    tracer: Tracer | None = None
 
     # Serve awaits async constructors; the replica is routed to only once this returns. The spec comes from
     # the replica's environment, not an init argument: see engine/spec.py for why.
@@ -46,6 +50,7 @@ class EngineReplica:
                 context.replica_id.unique_id,
                 spec.cpu_threads_bind[0],
             )
+        self.tracer = otlp_tracer(spec.otlp_traces_endpoint, f"pdserve-{spec.role}")
         host_class = DoubleEngineHost if spec.engine == "double" else self.HOST
         self.host = host_class(
             spec,

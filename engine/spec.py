@@ -50,6 +50,8 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     # An engine with requests in flight that produces no output for this long is hung: the replica reports
     # itself failed (routers stop using it, Serve's health check replaces it).
     hang_timeout_s: float = 30.0
+    # OTLP collector for request traces (the topology's server.otlp_traces_endpoint; None: off).
+    otlp_traces_endpoint: str | None = None
 
 
 ENGINE_SPEC_ENV = "PDSERVE_ENGINE_SPEC"

@@ -5,6 +5,7 @@ from __future__ import annotations
 from engine.double import DoubleEngineHost
 from engine.messages import EngineRequest, PrefillResult
 from engine.replica import EngineReplica
+from engine.tracing import child_span
 from prefill.engine import PrefillEngine
 
 
@@ -16,4 +17,6 @@ class PrefillReplica(EngineReplica):
     async def prefill(
         self, req: EngineRequest, replica_hint: str | None = None, replica_avoid: tuple[str, ...] = ()
     ) -> PrefillResult:
-        return await self.host.prefill(req)
+        replica = self.host.replica_id
+        with child_span(self.tracer, "prefill_replica.prefill", req.trace_context, replica=replica):
+            return await self.host.prefill(req)

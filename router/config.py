@@ -18,6 +18,8 @@ NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0)]
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+# An OTLP/gRPC collector, e.g. http://127.0.0.1:4317.
+OtlpEndpoint = Annotated[str, msgspec.Meta(pattern=r"^https?://[^/\s]+/?$")]
 PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
 
 # auto: each request takes the option of lowest cost: disaggregated (prefill replica, KV moved to decode) or
@@ -97,6 +99,8 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     metrics_port: Port = 9400
     tls: TlsConfig | None = None
     auth_token_env: str | None = None  # the NAME of an env var holding the token, never the token itself
+    # Request traces (OpenTelemetry, OTLP over gRPC) from the router and every engine replica; off unless set.
+    otlp_traces_endpoint: OtlpEndpoint | None = None
 
 
 class ServedModel(msgspec.Struct, frozen=True, kw_only=True):

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 
 import grpc
+from opentelemetry import trace
 
 from engine.messages import TokenBatch
 from pdserve_client.api import pdserve_pb2 as pb
@@ -44,8 +46,11 @@ class GeneratePath:
         legs: Orchestrator,
         metrics: RouterMetrics,
         config: LiveConfig | None = None,
+        tracer: trace.Tracer | None = None,
     ) -> None:
+        """`tracer`: where each request's spans go (None: tracing off; the timeline is kept either way)."""
         self.intake = intake
+        self._tracer = tracer
         self._decider = decider
         self._legs = legs
         self._metrics = metrics
@@ -86,6 +91,7 @@ class GeneratePath:
     async def _generate(
         self, request: pb.GenerateRequest, request_id: str, raw: bytes | None
     ) -> AsyncIterator[OutputDelta | Finished]:
+        arrived = time.monotonic()
         prompt = await self.intake.take(request, raw)
         output = prompt.output
         with RequestLifecycle(
@@ -97,6 +103,8 @@ class GeneratePath:
             sampling=prompt.sampling,
             reuse=prompt.reuse,
             attempts=self._config.current.failover_attempts,
+            arrived=arrived,
+            tracer=self._tracer,
         ) as lifecycle:
             try:
                 lifecycle.admit()

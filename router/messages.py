@@ -160,6 +160,15 @@ class Route(msgspec.Struct, frozen=True, kw_only=True):
     avoid: tuple[str, ...] = ()
 
 
+class Stage(msgspec.Struct, frozen=True, array_like=True):
+    """One stage of a request's timeline: when it began (ms after the request reached the router) and how
+    long it took."""
+
+    name: str
+    start_ms: float
+    duration_ms: float
+
+
 class RequestSummary(msgspec.Struct, kw_only=True):
     """The summary after the last token: what the gRPC layer puts in `final`."""
 
@@ -187,6 +196,8 @@ class RequestSummary(msgspec.Struct, kw_only=True):
     # pinned nothing), "lost" (the replica died) or "timeout": in the last three the prefill leg computed the
     # prefix.
     export: str = ""
+    # Where the request spent its time, in order (router/request/lifecycle.py; docs/api.md lists the stages).
+    timeline: list[Stage] = []
 
 
 class ToolCallDelta(msgspec.Struct, frozen=True, kw_only=True):

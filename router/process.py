@@ -20,6 +20,7 @@ from grpc_health.v1.health_pb2 import HealthCheckResponse
 from ray import serve
 
 from engine.messages import ReplicaInfo
+from engine.tracing import otlp_tracer
 from pdserve_client.api import pdserve_pb2 as pb
 from router.config import LiveConfig, RouterConfig, ServedModel, ServerConfig
 from router.decision.decider import Decider
@@ -120,6 +121,7 @@ class RouterProcess:
             legs=self.legs,
             metrics=self.metrics,
             config=self.config,
+            tracer=otlp_tracer(server.otlp_traces_endpoint, "pdserve-router"),
         )
         self.service = PdserveService(
             self.path, block_size=model.block_size, cluster_status=self.cluster_status

@@ -186,15 +186,27 @@ class ServedBy(_message.Message):
     note: str
     def __init__(self, path: _Optional[_Union[ServingPath, str]] = ..., prefill_replica: _Optional[str] = ..., decode_replica: _Optional[str] = ..., prefill_node: _Optional[str] = ..., decode_node: _Optional[str] = ..., note: _Optional[str] = ...) -> None: ...
 
+class Stage(_message.Message):
+    __slots__ = ("name", "start_ms", "duration_ms")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    START_MS_FIELD_NUMBER: _ClassVar[int]
+    DURATION_MS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    start_ms: float
+    duration_ms: float
+    def __init__(self, name: _Optional[str] = ..., start_ms: _Optional[float] = ..., duration_ms: _Optional[float] = ...) -> None: ...
+
 class Timings(_message.Message):
-    __slots__ = ("ttft_ms", "prefill_ms", "e2e_ms")
+    __slots__ = ("ttft_ms", "prefill_ms", "e2e_ms", "timeline")
     TTFT_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     E2E_MS_FIELD_NUMBER: _ClassVar[int]
+    TIMELINE_FIELD_NUMBER: _ClassVar[int]
     ttft_ms: float
     prefill_ms: float
     e2e_ms: float
-    def __init__(self, ttft_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., e2e_ms: _Optional[float] = ...) -> None: ...
+    timeline: _containers.RepeatedCompositeFieldContainer[Stage]
+    def __init__(self, ttft_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., e2e_ms: _Optional[float] = ..., timeline: _Optional[_Iterable[_Union[Stage, _Mapping]]] = ...) -> None: ...
 
 class Final(_message.Message):
     __slots__ = ("finish_reason", "stop_reason", "usage", "served_by", "timings")

@@ -162,7 +162,14 @@ def _final(c: RequestSummary, reason: str) -> pb.Final:
             decode_node=c.decode_node,
             note=c.note,
         ),
-        timings=pb.Timings(ttft_ms=c.ttft_ms, prefill_ms=c.prefill_ms, e2e_ms=c.e2e_ms),
+        timings=pb.Timings(
+            ttft_ms=c.ttft_ms,
+            prefill_ms=c.prefill_ms,
+            e2e_ms=c.e2e_ms,
+            timeline=[
+                pb.Stage(name=s.name, start_ms=s.start_ms, duration_ms=s.duration_ms) for s in c.timeline
+            ],
+        ),
     )
 
 

@@ -241,6 +241,12 @@ class Output:
             "kv_transferred_tokens": c.kv_transferred_tokens,
             "predicted_cached_tokens": c.predicted_cached_tokens,
             "note": c.note,
+            "ttft_ms": c.ttft_ms,
+            "e2e_ms": c.e2e_ms,
+            # Where the request spent its time (docs/api.md lists the stages).
+            "timeline": [
+                {"stage": s.name, "start_ms": s.start_ms, "duration_ms": s.duration_ms} for s in c.timeline
+            ],
         }
 
     def finish_reason(self) -> str | None:

@@ -7,13 +7,11 @@
         is first asked to pin (`Route.export_replica`; if that pins nothing, prefill computes the prefix and
         the completion says so). Legs reach each prefill replica in decision order (leg_order.py).
 
-KV bytes never pass through here: only token ids, text and NIXL's small control parameters. Decode replicas
-send tokens over this router's token channel (token_receiver.py), a frame per engine step. Cancellation
-propagates (the Serve call is cancelled, the engine aborts the request); a decode leg that ends before its
-first token has the prefill engine free the KV nobody will pull. Failover (`serve`): when a leg's replica
-dies or its engine fails, the request goes on elsewhere with the tokens streamed so far appended to its
-prompt, so the client sees one stream (greedy: the same tokens). The request's lifecycle
-(router/request/lifecycle.py) is told of each step: prefill done, a replica failed, the continuation's route.
+No KV bytes pass here; tokens come over this router's token channel (token_receiver.py). Cancelling aborts
+the engine request; a decode leg that ends before its first token has the prefill engine free the KV nobody
+will pull. Failover (`serve`): a request whose replica fails goes on elsewhere with the tokens streamed so
+far appended to its prompt: one stream for the client (greedy: the same tokens). The request's lifecycle
+(router/request/lifecycle.py) is told of each step and stage.
 """
 
 from __future__ import annotations
@@ -111,6 +109,7 @@ class Orchestrator:
 
         while True:
             leg_id = f"{request.request_id}.{len(moves)}" if moves else request.request_id
+            attempt_began = time.monotonic()
             try:
                 async for event in self.run(leg_id, prompt_token_ids + generated, left(), route, request):
                     if isinstance(event, TokenBatch):
@@ -123,6 +122,7 @@ class Orchestrator:
                     yield event
                 return
             except LegFailed as exc:
+                request.stage("failed_attempt", attempt_began, time.monotonic())
                 if exc.replica_id:
                     request.replica_failed(exc.replica_id, exc.reason)
                 moves.append(f"{exc} after {len(generated)} tokens")
@@ -156,20 +156,26 @@ class Orchestrator:
         note = ""
         export = ""
         kv_params: dict[str, Any] | None = None
+        headers = request.trace_headers if request is not None else None
+        stage = request.stage if request is not None else lambda *_: None  # a lone attempt records none
         if route.prefill and self._prefill is not None:
             # Taken before the first await: tickets follow decision order.
             ticket = self._order.take(route.prefill_replica) if route.prefill_replica else None
             try:
                 pull = route.readback_params
                 if route.export_replica:
-                    pull, export = await self._export(request_id, prompt_token_ids, route)
+                    began = time.monotonic()
+                    pull, export = await self._export(request_id, prompt_token_ids, route, headers)
+                    stage("kv_export", began, time.monotonic())
                     if pull is None:
                         note = f"KV export from {route.export_replica} {export}: prefill computed the prefix"
                 if ticket is not None:
                     await ticket.turn()
+                began = time.monotonic()
                 prefill_result = await self._prefill_leg(
-                    request_id, prompt_token_ids, route.prefill_replica, pull, ticket, route.avoid
+                    request_id, prompt_token_ids, route.prefill_replica, pull, ticket, route.avoid, headers
                 )
+                stage("prefill_leg", began, time.monotonic())
             finally:
                 if ticket is not None:
                     ticket.sent()
@@ -192,10 +198,12 @@ class Orchestrator:
             sampling=sampling,
             kv_transfer_params=kv_params,
             stream=self._stream(),
+            trace_context=headers,
         )
         completion_tokens = 0
         generated: list[int] = []
         ttft_ms = 0.0
+        dispatched = first_at = time.monotonic()
         # aclosing: if our consumer stops early, the decode stream is cancelled now, not at GC time.
         async with (
             contextlib.aclosing(self._decode_leg(decode_req, route)) as leg,
@@ -203,7 +211,10 @@ class Orchestrator:
         ):
             async for batch in batches:
                 if batch.token_ids and completion_tokens == 0:
-                    ttft_ms = (time.monotonic() - started) * 1e3
+                    first_at = time.monotonic()
+                    ttft_ms = (first_at - started) * 1e3
+                    # With KV from a prefill leg: its pull over NIXL and the first decode step.
+                    stage("first_token", dispatched, first_at)
                     if prefill_result is None and request is not None:
                         request.prefill_done()
                 completion_tokens += len(batch.token_ids)
@@ -213,6 +224,7 @@ class Orchestrator:
                     yield batch
                     continue
                 # The last batch: stream its tokens, then the summary.
+                stage("stream", first_at, time.monotonic())
                 yield TokenBatch(token_ids=batch.token_ids, text=batch.text, logprobs=batch.logprobs)
                 yield RequestSummary(
                     finish_reason=batch.finish_reason,
@@ -276,7 +288,7 @@ class Orchestrator:
         log.info("prefill KV %s released: %s", kv_params.get("remote_request_id"), released)
 
     async def _export(
-        self, request_id: str, prompt: list[int], route: Route
+        self, request_id: str, prompt: list[int], route: Route, headers: dict[str, str] | None = None
     ) -> tuple[dict[str, Any] | None, str]:
         """Have `route.export_replica` pin the prompt's first `route.export_tokens` tokens; the params that
         pull them, and the outcome."""
@@ -287,6 +299,7 @@ class Orchestrator:
             # the prefix is a cache hit (the one with the last token would otherwise be recomputed).
             prompt_token_ids=prompt[: tokens + 1],
             sampling=Sampling(max_tokens=1),
+            trace_context=headers,
         )
         response = self._decode.export.remote(
             req, replica_hint=route.export_replica, replica_avoid=route.avoid
@@ -314,6 +327,7 @@ class Orchestrator:
         pull: dict[str, Any] | None,
         ticket: Ticket | None = None,
         avoid: tuple[str, ...] = (),
+        headers: dict[str, str] | None = None,
     ) -> PrefillResult:
         """`pull`: pinned decode KV of the prompt's prefix to pull instead of computing (readback). `ticket`:
         told once the leg is sent."""
@@ -322,6 +336,7 @@ class Orchestrator:
             prompt_token_ids=prompt,
             sampling=Sampling(),
             kv_transfer_params=pull,
+            trace_context=headers,
         )
         handle = self._prefill
         assert handle is not None

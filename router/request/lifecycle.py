@@ -5,17 +5,24 @@
 The legs (router/legs/) call it as they go; `close()` runs in a `finally` (the object is a context manager),
 whatever ended the request: success, a refusal, a failed leg, a cancelled client. It frees the request's
 admission, load accounting and policy state, and seals the session for its next turn.
+
+It also keeps the request's timeline: the stages the legs report (`stage`), in the final message and, with
+tracing on, as OpenTelemetry spans under one request span whose context the engine requests carry.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from types import TracebackType
 
+from opentelemetry import trace
+
 from engine.messages import Sampling
+from engine.tracing import carrier, wall_ns
 from router.decision.decider import Decider
 from router.errors import NoReplicaError
-from router.messages import PromptReuse, RequestSummary, Route
+from router.messages import PromptReuse, RequestSummary, Route, Stage
 from router.metrics import RouterMetrics
 
 
@@ -31,8 +38,12 @@ class RequestLifecycle:
         sampling: Sampling,
         reuse: PromptReuse | None = None,
         attempts: int = 3,
+        arrived: float | None = None,
+        tracer: trace.Tracer | None = None,
     ) -> None:
-        """`attempts`: how often the request may move to another replica after a failed leg."""
+        """`attempts`: how often the request may move to another replica after a failed leg. `arrived`: when
+        the request reached the router (time.monotonic(); default now): what it spent before this (its
+        intake) is its first stage."""
         self.request_id = request_id
         self.session_id = session_id
         self.prompt = prompt
@@ -45,6 +56,20 @@ class RequestLifecycle:
         self._admitted = False
         self._first_token_at: float | None = None
         self._last_tokens_at: float | None = None
+        now = time.monotonic()
+        self.arrived = now if arrived is None else arrived
+        self._stages: list[Stage] = []
+        self._tracer = tracer
+        self._span: trace.Span | None = None
+        self.trace_headers: dict[str, str] | None = None
+        if tracer is not None:
+            self._span = tracer.start_span(
+                "pdserve.request",
+                start_time=wall_ns(self.arrived),
+                attributes={"pdserve.request_id": request_id, "pdserve.prompt_tokens": len(prompt)},
+            )
+            self.trace_headers = carrier(self._span)
+        self.stage("intake", self.arrived, now)
 
     def __enter__(self) -> RequestLifecycle:
         return self
@@ -52,7 +77,20 @@ class RequestLifecycle:
     def __exit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
+        if self._span is not None:
+            if isinstance(exc, asyncio.CancelledError):
+                self._span.set_attribute("pdserve.outcome", "cancelled")
+            elif exc is not None:
+                self._span.set_status(trace.StatusCode.ERROR, type(exc).__name__)
         self.close()
+
+    def stage(self, name: str, began: float, ended: float) -> None:
+        """The request spent `began`..`ended` (time.monotonic()) in stage `name`."""
+        self._stages.append(Stage(name, (began - self.arrived) * 1e3, (ended - began) * 1e3))
+        if self._span is not None and self._tracer is not None:
+            parent = trace.set_span_in_context(self._span)
+            span = self._tracer.start_span(name, context=parent, start_time=wall_ns(began))
+            span.end(end_time=wall_ns(ended))
 
     def admit(self) -> Route:
         """The first decision. Raises Overloaded (admission) or NoReplicaError (nothing eligible)."""
@@ -95,6 +133,7 @@ class RequestLifecycle:
     def turn_done(self, c: RequestSummary) -> None:
         """The last token was generated: record the request and tell the decider where the turn's KV is."""
         self._record(c)
+        c.timeline = list(self._stages)
         self._decider.turn_done(
             self.session_id, c.decode_replica, c.pinned_kv, self.prompt, c.output_token_ids
         )
@@ -102,11 +141,16 @@ class RequestLifecycle:
     def close(self) -> None:
         """Free everything the router holds for the request. Idempotent."""
         self._decider.finish(self.request_id)
+        if self._span is not None:
+            self._span.end()
+            self._span = None
 
     def _decide(self, prompt: list[int], sampling: Sampling, reuse: PromptReuse | None = None) -> Route:
-        began = time.perf_counter()
+        began = time.monotonic()
         route = self._decider.route(self.request_id, self.session_id, prompt, sampling, reuse)
-        self._metrics.decision_seconds.observe(time.perf_counter() - began)
+        ended = time.monotonic()
+        self._metrics.decision_seconds.observe(ended - began)
+        self.stage("decision", began, ended)
         self._metrics.on_decision(route.reason, route.terms)
         if route.readback_tokens:
             self._metrics.readback_tokens.labels(decode_replica=route.readback_replica).inc(

@@ -215,6 +215,11 @@ class Failover:
         self.route = Route(prefill=False)
         self.attempts = 3
         self.prefills_done = 0
+        self.trace_headers = None
+        self.stages: list[str] = []
+
+    def stage(self, name: str, began: float, ended: float) -> None:
+        self.stages.append(name)
 
     def prefill_done(self) -> None:
         self.prefills_done += 1
