@@ -9,15 +9,18 @@ produce for the same input, so this follows vLLM's conventions:
   is encoded with `add_special_tokens=False`, since the template already writes any BOS/role tokens.
 
 A Hugging Face fast tokenizer must not be used from two threads at once (its Rust object raises
-"Already borrowed"), so every call into it holds a lock; encoding holds the GIL anyway, so the lock
-costs no parallelism. Callers on an event loop use `asyncio.to_thread`.
+"Already borrowed"), and its encoding runs without the GIL. So the router keeps a few copies of it, each
+call takes a free one: a long prompt being tokenized delays no short one, and prompts are tokenized in
+parallel on as many cores. Callers on an event loop use `asyncio.to_thread`.
 """
 
 from __future__ import annotations
 
 import json
-import threading
-from collections.abc import Sequence
+import os
+import queue
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -93,21 +96,45 @@ def _json_object(text: str, field: str) -> dict[str, Any]:
     return value
 
 
+def _copies() -> int:
+    """How many prompts the router tokenizes at once: one per core, at least two (so that one long prompt
+    never holds up a short one), at most eight."""
+    return min(max(len(os.sched_getaffinity(0)), 2), 8)
+
+
 class PromptTokenizer:
     """A model's tokenizer and chat template, loaded from a local model directory (never the hub)."""
 
-    def __init__(self, model_dir: str | Path, *, trust_remote_code: bool = False) -> None:
+    def __init__(
+        self, model_dir: str | Path, *, trust_remote_code: bool = False, copies: int | None = None
+    ) -> None:
         """`trust_remote_code`: run the tokenizer code the model directory ships (topology
-        `model.trust_remote_code`; e.g. Kimi-K2's), as the engines do."""
+        `model.trust_remote_code`; e.g. Kimi-K2's), as the engines do. `copies`: how many calls run at once
+        (default: one per core, 2 to 8)."""
         # Imported here, not at the top: transformers imports torch (seconds), and validation uses this
         # module's conversion helpers without ever loading a tokenizer.
         from transformers import AutoTokenizer
 
-        self._tokenizer = AutoTokenizer.from_pretrained(
-            str(model_dir), local_files_only=True, trust_remote_code=trust_remote_code
-        )
-        self._lock = threading.Lock()
+        def load() -> Any:
+            return AutoTokenizer.from_pretrained(
+                str(model_dir), local_files_only=True, trust_remote_code=trust_remote_code
+            )
+
+        # The one other code reads (vocabulary, parsers); never used for encoding by the pool's callers.
+        self._tokenizer = load()
+        self._free: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        for _ in range(copies or _copies()):
+            self._free.put(load())
         self.max_token_chars = _max_token_chars(self._tokenizer)
+
+    @contextmanager
+    def _instance(self) -> Iterator[Any]:
+        """A copy no other thread is using (waits for one when all are busy)."""
+        tokenizer = self._free.get()
+        try:
+            yield tokenizer
+        finally:
+            self._free.put(tokenizer)
 
     def fewest_tokens(self, text: str) -> int | None:
         """A count `text` cannot encode to fewer tokens than (no token covers more than `max_token_chars`
@@ -118,7 +145,8 @@ class PromptTokenizer:
 
     @property
     def hf_tokenizer(self) -> Any:
-        """The underlying Hugging Face tokenizer (for inspection; calls into it must hold no other lock)."""
+        """The Hugging Face tokenizer the vocabulary and the output parsers are read from (on the event loop;
+        prompts are encoded by copies of it)."""
         return self._tokenizer
 
     @property
@@ -133,8 +161,8 @@ class PromptTokenizer:
 
     def encode_text(self, text: str) -> list[int]:
         """Token ids of a plain-text prompt, with the special tokens the model's tokenizer adds by default."""
-        with self._lock:
-            return list(self._tokenizer.encode(text, add_special_tokens=True))
+        with self._instance() as tokenizer:
+            return list(tokenizer.encode(text, add_special_tokens=True))
 
     def render_chat(
         self,
@@ -147,8 +175,8 @@ class PromptTokenizer:
         if self._tokenizer.chat_template is None:
             raise ValueError("this model has no chat template: send a prompt or token ids instead")
         try:
-            with self._lock:
-                text = self._tokenizer.apply_chat_template(
+            with self._instance() as tokenizer:
+                text = tokenizer.apply_chat_template(
                     messages,
                     tools=list(tools) if tools else None,
                     tokenize=False,
@@ -171,13 +199,13 @@ class PromptTokenizer:
 
     def encode_rendered(self, text: str) -> list[int]:
         """Token ids of chat-template output (or a piece of it): no special tokens added."""
-        with self._lock:
-            return list(self._tokenizer.encode(text, add_special_tokens=False))
+        with self._instance() as tokenizer:
+            return list(tokenizer.encode(text, add_special_tokens=False))
 
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         """Text of these token ids (special tokens dropped by default, as vLLM's detokenizer does)."""
-        with self._lock:
-            return str(self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
+        with self._instance() as tokenizer:
+            return str(tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
 
 
 # Normalizers and pre-tokenizers that never drop or merge characters of the input (each input character

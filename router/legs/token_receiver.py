@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 ARRIVAL_GRACE_S = 5.0
 # Batches a leg may hold unread (its client is not reading) before it is ended: its engine request is
 # aborted rather than its tokens held at everyone else's expense.
-MAX_UNREAD_BATCHES = 1024
+MAX_UNREAD_BATCHES = 256
 RECV_HWM = 100_000
 
 

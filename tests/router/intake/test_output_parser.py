@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import queue
 from typing import Any
 
 import pytest
@@ -144,7 +145,8 @@ def test_a_reasoning_parser_splits_the_thinking_from_the_answer(tokenizer: Promp
     class Tok(PromptTokenizer):
         def __init__(self) -> None:
             self._tokenizer = hf
-            self._lock = tokenizer._lock
+            self._free = queue.SimpleQueue()
+            self._free.put(hf)  # its one copy
 
     parsers = OutputParsers(hf, "hermes", "deepseek_r1")
     assert (

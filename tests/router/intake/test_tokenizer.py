@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -164,6 +165,34 @@ def test_concurrent_calls_match_serial_results(tokenizer: PromptTokenizer) -> No
     assert all(chat[3 : 3 + len(ids)] == ids for chat, ids in zip(chats, serial, strict=True))
 
 
+def test_a_prompt_being_tokenized_holds_up_no_other(tmp_path: Path) -> None:
+    """One copy busy (a long prompt in another thread): a short prompt is encoded at once on another; with
+    every copy busy, it waits for the first to come free."""
+    tokenizer = PromptTokenizer(ensure_tiny_model(tmp_path), copies=2)
+    release = threading.Event()
+    held = threading.Event()
+
+    def long_prompt() -> None:
+        with tokenizer._instance():
+            held.set()
+            release.wait(10)
+
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        busy = pool.submit(long_prompt)
+        assert held.wait(10)
+        short = tokenizer.encode_text("a short prompt")  # returns while the long one holds its copy
+        held.clear()
+        busy_too = pool.submit(long_prompt)
+        assert held.wait(10)  # now both copies are held
+        waiting = pool.submit(tokenizer.encode_text, "a short prompt")
+        with pytest.raises(TimeoutError):
+            waiting.result(timeout=0.3)
+        release.set()
+        assert waiting.result(timeout=10) == short
+        busy.result(timeout=10)
+        busy_too.result(timeout=10)
+
+
 def test_model_dir_is_never_fetched_from_the_hub(tmp_path: Path) -> None:
     with pytest.raises(OSError):
         PromptTokenizer(tmp_path / "no-such-model")
@@ -191,7 +220,9 @@ def test_the_tokenizer_runs_model_code_only_when_trusted(monkeypatch: pytest.Mon
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", spy)
     PromptTokenizer(ensure_tiny_model())
     PromptTokenizer(ensure_tiny_model(), trust_remote_code=True)
-    assert [k["trust_remote_code"] for k in seen] == [False, True]
+    # Every copy is loaded the same way: the first tokenizer never trusts, the second always does.
+    copies = len(seen) // 2
+    assert [k["trust_remote_code"] for k in seen] == [False] * copies + [True] * copies
     assert all(k["local_files_only"] is True for k in seen)  # never the hub
 
 
