@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import time
 from collections.abc import Iterable
 
 import msgspec
@@ -86,15 +87,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-requests", type=int, default=96)
     ap.add_argument("--input-len", default="fixed:256")
     ap.add_argument("--output-len", default="fixed:128")
+    ap.add_argument("--idle-s", type=float, default=10.0, help="how long the idle daemons are read")
     args = ap.parse_args(argv)
     systems = args.systems.split(",")
     if unknown := [s for s in systems if not known(s)]:
         ap.error(f"unknown system {', '.join(unknown)}")
     levels = [int(c) for c in args.concurrency.split(",")]
     rows = []
+    idle: dict[str, float] = {}
     for system in systems:
         print(f"starting {system} ...", flush=True)
         with started(system, LOCAL_TOPOLOGY) as address:
+            before = cpu_by_kind(psutil.process_iter())
+            time.sleep(args.idle_s)  # started and serving, no request: the fixed cost
+            idle[system] = spent(before, cpu_by_kind(psutil.process_iter()))["daemon"] / args.idle_s
             for clients in levels:
                 common = ["--mode", "concurrency", "--concurrency", str(clients)]
                 common += ["--input-len", args.input_len, "--output-len", args.output_len, "--warmup", "0"]
@@ -108,16 +114,17 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append((system, clients, r.output_tokens_per_s * r.duration_s, r, used))
     print(
         f"\n{'system':<22} {'c':>4} {'tok/s':>7} {'TTFT p50':>9} {'TPOT p50':>9} {'TPOT p99':>9}"
-        f" {'failed':>6} {'token-path CPU s':>17} {'µs/token':>9} {'engine CPU s':>13}"
-        f" {'daemons CPU s/s':>16}"
+        f" {'failed':>6} {'token-path CPU s':>17} {'µs/token':>9} {'ms/request':>11} {'engine CPU s':>13}"
+        f" {'daemons CPU s/s':>16} {'idle':>5}"
     )
     for system, clients, tokens, r, used in rows:
         daemons = used["daemon"] / r.duration_s
+        per_request = used["token"] / max(r.requests, 1) * 1e3
         print(
             f"{system:<22} {clients:4d} {r.output_tokens_per_s:7.0f} {r.ttft_s['p50'] * 1e3:7.0f}ms"
             f" {r.tpot_s['p50'] * 1e3:7.1f}ms {r.tpot_s['p99'] * 1e3:7.1f}ms {sum(r.failed.values()):6d}"
-            f" {used['token']:17.2f} {used['token'] / max(tokens, 1) * 1e6:9.0f} {used['engine']:13.2f}"
-            f" {daemons:16.2f}"
+            f" {used['token']:17.2f} {used['token'] / max(tokens, 1) * 1e6:9.0f} {per_request:11.2f}"
+            f" {used['engine']:13.2f} {daemons:16.2f} {idle[system]:5.2f}"
         )
     base_system = systems[-1]
     print(f"\nratios to {base_system} at the same concurrency: CPU per token, tokens/s")
@@ -126,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         if system == base_system:
             continue
         b_tokens, b_r, b_used = base[clients]
-        per_token = (used["token"] / tokens) / (b_used["token"] / b_tokens)
+        per_token = (used["token"] / tokens) / max(b_used["token"] / b_tokens, 1e-12)
         ratio = r.output_tokens_per_s / b_r.output_tokens_per_s
         print(f"{system:<22} {clients:4d} {per_token:6.2f}x {ratio:6.2f}x")
     return 0
