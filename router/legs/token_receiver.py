@@ -156,12 +156,10 @@ class TokenReceiver:
                 await inbox.wait()
         finally:
             del self._inboxes[leg]
-            if finished:
-                # The call returns on its own, just after its last batch: nothing to cancel.
-                ended.add_done_callback(_log_late_failure)
-            elif not ended.done():
+            # After the last batch the call returns on its own: nothing to cancel.
+            if not finished and not ended.done():
                 call.cancel()
-                ended.add_done_callback(_log_late_failure)
+            ended.add_done_callback(_log_late_failure)
 
     def deliver(self, frame: TokenFrame) -> None:
         self.frames += 1
