@@ -35,7 +35,7 @@ from router.policy.selector import PdservePolicy
 from router.view.cluster_view import ClusterView
 
 
-class _Registry:
+class NoReplicasRegistry:
     """No replica registered: the router lets the (stand-in) pool choose."""
 
     class _Call:
@@ -124,7 +124,8 @@ def endpoint(
     async def serve() -> None:
         tokenizer = PromptTokenizer(model_dir)
         decode = _decode_pool(tokenizer, output, [] if seen is None else seen)
-        path = generate_path(tokenizer, decode, ClusterView(_Registry(), block_size=32), tool_parser="hermes")
+        view = ClusterView(NoReplicasRegistry(), block_size=32)
+        path = generate_path(tokenizer, decode, view, tool_parser="hermes")
         service = PdserveService(path, block_size=32, cluster_status=_no_replicas)
         server, health = await start_grpc_server(
             service, host="127.0.0.1", port=port, tls=tls, auth_token=auth_token

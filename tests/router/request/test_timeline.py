@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from decode_pool import OPEN, token_receiver
+from inprocess_server import NoReplicasRegistry
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -39,21 +40,6 @@ from router.messages import Finished
 from router.metrics import RouterMetrics
 from router.policy.selector import PdservePolicy
 from router.view.cluster_view import ClusterView
-
-
-class _NoReplicas:
-    class _Call:
-        def __init__(self, value: Any) -> None:
-            self.value = value
-
-        def remote(self, *args: Any) -> Any:
-            async def answer() -> Any:
-                return self.value
-
-            return answer()
-
-    snapshot = _Call([])
-    report_failed = _Call(None)
 
 
 def tracer(exporter: InMemorySpanExporter, service: str) -> Tracer:
@@ -120,7 +106,7 @@ def path(exporter: InMemorySpanExporter | None, **router: Any) -> GeneratePath:
             metrics=metrics,
         ),
         decider=Decider(
-            view=ClusterView(_NoReplicas(), block_size=32),
+            view=ClusterView(NoReplicasRegistry(), block_size=32),
             policy=PdservePolicy(),
             block_size=32,
             has_prefill_pool=True,
