@@ -4,18 +4,17 @@ real handles and engines are exercised in tests/e2e)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
 import pytest
+from decode_pool import StandInDecodePool, token_receiver
 from ray.exceptions import ActorDiedError
 
 from engine.messages import EngineRequest, PrefillResult, ReplicaFailed, ReplyTo, Sampling, TokenBatch
-from engine.token_sender import TokenSender
 from router.errors import NoReplicaError
 from router.legs.orchestrator import MOVE_BACKOFF_S, Orchestrator
-from router.legs.token_receiver import TokenReceiver
 from router.messages import RequestSummary, Route
 
 PROMPT = list(range(100, 200))
@@ -79,20 +78,23 @@ class FakePrefill:
         return _Call(self.results.pop(0))
 
 
-class FakeDecode:
+class FakeDecode(StandInDecodePool):
     """The decode deployment's handle: `generate` sends each stream's batches over the real token channel
     to the router's receiver (`tokens`), as a decode replica does."""
 
     def __init__(self, streams: list[list[Any]]) -> None:
+        super().__init__(self._next_stream)
         self.streams = streams
         self.calls: list[tuple[EngineRequest, str | None]] = []
-        self.generate = self
         self.opened: list[_Stream] = []
         self.avoided: list[tuple[str, ...]] = []
         self.release = FakeRelease()
-        self.tokens = TokenReceiver()
-        self._sender = TokenSender()
-        OPEN.append(self)
+        self.tokens = token_receiver()
+
+    def _next_stream(self, req: EngineRequest, replica_hint: str | None) -> AsyncIterator[TokenBatch]:
+        s = _Stream(self.streams.pop(0))
+        self.opened.append(s)
+        return s.gen()
 
     def remote(
         self,
@@ -104,23 +106,7 @@ class FakeDecode:
         assert reply_to.address == self.tokens.address
         self.calls.append((req, replica_hint))
         self.avoided.append(replica_avoid)
-        s = _Stream(self.streams.pop(0))
-        self.opened.append(s)
-        return asyncio.ensure_future(self._sender.stream(reply_to, s.gen()))
-
-    def close(self) -> None:
-        self._sender.close()
-        self.tokens.close()
-
-
-OPEN: list[FakeDecode] = []
-
-
-@pytest.fixture(autouse=True)
-def _close_channels() -> Iterator[None]:
-    yield
-    while OPEN:
-        OPEN.pop().close()
+        return super().remote(req, reply_to, replica_hint, replica_avoid)
 
 
 def orchestrator(prefill: Any, decode: FakeDecode, **kwargs: Any) -> Orchestrator:
