@@ -109,6 +109,8 @@ class Pool(_Config, frozen=True, kw_only=True):
     node_labels: dict[str, str] = {}  # Ray label selector: the replica's bundles go only to such nodes
     cpu: CpuEngine | None = None  # CPU engines only; default CpuEngine()
     engine: EngineArgs = msgspec.field(default_factory=EngineArgs)
+    # Serve calls in flight per replica (KV export and release). Legs do not pass Serve: the router's policy
+    # spreads them by load, and `router.overload_queue_tokens` bounds what the cluster admits.
     max_ongoing_requests: PositiveInt = 64
     graceful_shutdown_timeout_s: NonNegativeFloat = 60.0  # in-flight requests finish within this on drain
     # Extra replicas a rolling update may start before it stops an old one, so that a pool never has fewer

@@ -1,19 +1,20 @@
 """The decode replica: pulls a prompt's KV from a prefill replica (or prefills locally when it has no
 transfer parameters) and streams generated tokens in batches to the router that asked, over that router's
-token channel (engine/token_sender.py)."""
+token channel (engine/token_sender.py). Legs come from routers over the replica's leg channel
+(engine/leg_server.py); KV release and export stay Serve calls (rare, and Serve checks their replica)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from opentelemetry.trace import Span
 
 from decode.engine import DecodeEngine
 from engine.double import DoubleEngineHost
-from engine.messages import EngineRequest, ReplyTo, TokenBatch
+from engine.leg_server import Handler
+from engine.messages import EngineRequest, LegKind, ReplyTo, TokenBatch
 from engine.replica import EngineReplica
-from engine.token_sender import TokenSender
 from engine.tracing import child_span
 
 
@@ -21,26 +22,19 @@ class DecodeReplica(EngineReplica):
     HOST = DecodeEngine
     host: DecodeEngine | DoubleEngineHost
 
-    async def __init__(self) -> None:  # type: ignore[misc]
-        await super().__init__()
-        self._tokens = TokenSender()
+    def leg_handlers(self) -> Mapping[LegKind, Handler]:
+        return {"generate": self.generate}
 
-    # replica_hint: the router's choice, read by its Serve request router (router/legs/replica_hint.py).
-    # replica_avoid: failed replicas the Serve request router must not choose (read there, unused here).
-    async def generate(
-        self,
-        req: EngineRequest,
-        reply_to: ReplyTo,
-        replica_hint: str | None = None,
-        replica_avoid: tuple[str, ...] = (),
-    ) -> int:
+    async def generate(self, req: EngineRequest, reply_to: ReplyTo) -> int:
         """Stream the request's batches to the router's token channel (`reply_to`); returns how many were
         sent once the last one is. Cancelled (the router gave the request up): the engine aborts it."""
         replica = self.host.replica_id
         with child_span(self.tracer, "decode_replica.generate", req.trace_context, replica=replica) as span:
             batches = self.host.generate(req)
-            return await self._tokens.stream(reply_to, batches if span is None else _marked(batches, span))
+            return await self.tokens.stream(reply_to, batches if span is None else _marked(batches, span))
 
+    # replica_hint: the router's choice, read by its Serve request router (router/legs/replica_hint.py).
+    # replica_avoid: failed replicas the Serve request router must not choose (read there, unused here).
     async def release(
         self,
         kv_transfer_params: dict[str, Any],
@@ -61,12 +55,6 @@ class DecodeReplica(EngineReplica):
         replica = self.host.replica_id
         with child_span(self.tracer, "decode_replica.export", req.trace_context, replica=replica):
             return await self.host.export(req)
-
-    def __del__(self) -> None:
-        tokens = getattr(self, "_tokens", None)
-        if tokens is not None:
-            tokens.close()
-        super().__del__()
 
 
 async def _marked(batches: AsyncIterator[TokenBatch], span: Span) -> AsyncIterator[TokenBatch]:

@@ -124,14 +124,38 @@ class TokenBatch(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
 
 
 class ReplyTo(msgspec.Struct, frozen=True, array_like=True):
-    """Where a decode leg's tokens go: a router's token channel, and the leg's number there (a router numbers
-    its legs itself: request ids come from clients and need not be unique)."""
+    """Where a leg's outcome (and a decode leg's tokens) go: a router's token channel, and the leg's number
+    there (a router numbers its legs itself: request ids come from clients and need not be unique)."""
 
     address: str
     leg: int
 
 
-class TokenItem(msgspec.Struct, frozen=True, array_like=True):
+LegKind = Literal["prefill", "generate"]
+
+
+class LegStart(msgspec.Struct, frozen=True, array_like=True, tag="start"):
+    """Run a leg on the replica (router/legs/leg_channel.py -> engine/leg_server.py): `prefill` computes the
+    prompt and keeps its KV; `generate` streams the request's tokens to `reply_to`."""
+
+    kind: LegKind
+    request: EngineRequest
+    reply_to: ReplyTo
+
+
+class LegCancel(msgspec.Struct, frozen=True, array_like=True, tag="cancel"):
+    """The router gave the leg up: abort its engine request; no LegEnd follows."""
+
+    reply_to: ReplyTo
+
+
+class LegFrame(msgspec.Struct, frozen=True, array_like=True):
+    """One message from a router to a replica: every leg started or cancelled since its last frame."""
+
+    items: list[LegStart | LegCancel]
+
+
+class TokenItem(msgspec.Struct, frozen=True, array_like=True, tag="batch"):
     """One batch of one decode leg on a token channel; `seq` numbers the leg's batches from 0, so a router
     can tell that none went missing."""
 
@@ -140,11 +164,24 @@ class TokenItem(msgspec.Struct, frozen=True, array_like=True):
     batch: TokenBatch
 
 
+class LegEnd(msgspec.Struct, frozen=True, array_like=True, tag="end"):
+    """How a leg ended, after its last batch on the same channel: `sent` batches; a prefill leg's `result`;
+    `failed`: the replica's engine can no longer serve (ReplicaFailed's reason); `error`: the leg failed for
+    another reason (the request's own)."""
+
+    leg: int
+    sent: int
+    result: PrefillResult | None = None
+    failed: str = ""
+    error: str = ""
+
+
 class TokenFrame(msgspec.Struct, frozen=True, array_like=True):
     """One message on a token channel (engine/token_sender.py -> router/legs/token_receiver.py): every batch
-    a decode replica produced for one router since its last frame, across all of that router's requests."""
+    and leg end a replica produced for one router since its last frame, across all of that router's
+    requests."""
 
-    items: list[TokenItem]
+    items: list[TokenItem | LegEnd]
 
 
 class GpuSample(msgspec.Struct, frozen=True, kw_only=True):
@@ -193,6 +230,8 @@ class ReplicaInfo(msgspec.Struct, frozen=True, kw_only=True):
     nixl_host: str
     nixl_port: int
     block_size: int
+    # Where routers send this replica's legs (engine/leg_server.py); "" until it listens.
+    legs_address: str = ""
     ready: bool = True
     draining: bool = False
     # Why this replica can no longer serve ("" while it can): its engine died or hung, seen by the replica

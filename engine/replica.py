@@ -1,10 +1,12 @@
 """The part of a prefill or decode Serve replica that both roles share: start the engine host with the
-replica's identity, answer health checks, report stats and registry info, stop the engine on shutdown."""
+replica's identity, take legs from routers (engine/leg_server.py) and send their outcomes back
+(engine/token_sender.py), answer health checks, report stats and registry info, drain and stop on shutdown."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Mapping
 from typing import ClassVar
 
 import msgspec
@@ -14,8 +16,10 @@ from ray import serve
 
 from engine.double import DoubleEngineHost
 from engine.host import EngineHost
-from engine.messages import EngineStats, ReplicaInfo
+from engine.leg_server import Handler, LegServer
+from engine.messages import EngineStats, LegKind, ReplicaInfo
 from engine.spec import spec_from_env
+from engine.token_sender import TokenSender
 from engine.tracing import otlp_tracer
 
 # How often a replica refreshes its registry entry (cluster/registry.py expires it after EXPIRY_S).
@@ -24,6 +28,8 @@ log = logging.getLogger(__name__)
 
 # How often a replica looks at its engine's health between heartbeats.
 WATCH_S = 0.25
+# How long a stopping replica waits for the registry to take its `draining`.
+DRAIN_PUBLISH_S = 2.0
 
 
 class EngineReplica:
@@ -52,16 +58,25 @@ class EngineReplica:
             )
         self.tracer = otlp_tracer(spec.otlp_traces_endpoint, f"pdserve-{spec.role}")
         host_class = DoubleEngineHost if spec.engine == "double" else self.HOST
+        node_ip = spec.bind_host or ray.util.get_node_ip_address()
         self.host = host_class(
             spec,
             replica_id=context.replica_id.unique_id,
             node_id=ray.get_runtime_context().get_node_id(),
-            node_ip=spec.bind_host or ray.util.get_node_ip_address(),
+            node_ip=node_ip,
         )
         # Blocking on purpose: Serve marks the replica ready only once the constructor returns, so no
         # request is routed to an engine that is still loading.
         self.host.start()
+        self.tokens = TokenSender()
+        self._legs = LegServer(self.leg_handlers(), self.tokens, node_ip)
+        self._legs.start()
+        self._draining = False
         self._heartbeat = asyncio.create_task(self._publish_forever())
+
+    def leg_handlers(self) -> Mapping[LegKind, Handler]:
+        """The legs this role runs (prefill/prefill_replica.py, decode/decode_replica.py)."""
+        raise NotImplementedError
 
     async def _publish_forever(self) -> None:
         """Publish this replica's info to the registry, then refresh it: the heartbeat is what tells the
@@ -69,7 +84,7 @@ class EngineReplica:
         that every router stops routing here before Serve's health check replaces the replica."""
         while True:
             try:
-                await self._registry.publish.remote(self.host.info())
+                await self._registry.publish.remote(self.info())
             except Exception as exc:  # the registry restarting must not kill the engine replica
                 log.warning("registry publish failed (will retry): %s", exc)
             failed_before = self.host.failure() is not None
@@ -87,14 +102,27 @@ class EngineReplica:
         return self.host.stats()
 
     def info(self) -> ReplicaInfo:
-        return self.host.info()
+        info = self.host.info(draining=self._draining)
+        return msgspec.structs.replace(info, legs_address=self._legs.address)
 
-    def __del__(self) -> None:
-        # Serve calls __del__ on graceful shutdown (after in-flight requests drained): stop the engine
-        # core subprocess now rather than leaving it to notice its parent is gone.
+    async def __del__(self) -> None:
+        # Serve awaits __del__ on graceful shutdown, after its own calls drained: tell the routers to stop
+        # sending legs, let those in flight finish (Serve's graceful_shutdown_timeout_s bounds this), then
+        # stop the engine core subprocess rather than leave it to notice its parent is gone.
         heartbeat = getattr(self, "_heartbeat", None)
-        if heartbeat is not None:
+        legs = getattr(self, "_legs", None)
+        if heartbeat is not None and legs is not None:
             heartbeat.cancel()
+            self._draining = True
+            try:
+                # Bounded: when the whole application is deleted, the registry may be stopping too.
+                await asyncio.wait_for(self._registry.publish.remote(self.info()), DRAIN_PUBLISH_S)
+            except Exception as exc:  # draining goes on: routers then learn of it as a lost replica
+                log.warning("could not tell the registry that %s drains: %r", self.host.replica_id, exc)
+            log.info("replica %s draining: %d legs running", self.host.replica_id, legs.running)
+            await legs.drain()
+            legs.close()
+            self.tokens.close()
             self._registry.withdraw.remote(self.host.replica_id)
         host = getattr(self, "host", None)
         if host is not None:

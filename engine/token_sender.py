@@ -1,11 +1,10 @@
-"""A decode replica's end of the token channels: generated tokens go to each router over one ZMQ PUSH socket
-per router (router/legs/token_receiver.py binds the other end), not as a Ray object per batch.
+"""An engine replica's end of the token channels: generated tokens and leg outcomes go to each router over one
+ZMQ PUSH socket per router (router/legs/token_receiver.py binds the other end), not as a Ray object each.
 
 Every batch a request produces is queued on its router's channel, and the channel sends what is queued as one
 frame at the end of the event-loop turn: vLLM hands a step's outputs to every request at once, so one frame
-carries the step's tokens for all of that router's requests. The Serve call that runs the request stays open
-until its last batch is queued: Serve still counts it as in flight (load, drain), cancelling it aborts the
-engine request, and its error is how a router learns that the replica failed.
+carries the step's tokens for all of that router's requests. A leg's LegEnd (engine/leg_server.py) follows its
+last batch on the same channel, so it never overtakes them.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ from collections.abc import AsyncIterator
 import msgspec
 import zmq
 
-from engine.messages import ReplyTo, TokenBatch, TokenFrame, TokenItem
+from engine.messages import LegEnd, ReplyTo, TokenBatch, TokenFrame, TokenItem
 
 log = logging.getLogger(__name__)
 
@@ -37,13 +36,13 @@ class _Channel:
     def __init__(self, sock: zmq.Socket[bytes], address: str) -> None:
         self._sock = sock
         self.address = address
-        self._items: list[TokenItem] = []
+        self._items: list[TokenItem | LegEnd] = []
         self._scheduled = False
         self._stalled_since: float | None = None
         self._drained: asyncio.Future[None] | None = None
         self._encoder = msgspec.msgpack.Encoder()
 
-    def put(self, item: TokenItem) -> None:
+    def put(self, item: TokenItem | LegEnd) -> None:
         self._items.append(item)
         if not self._scheduled:
             self._scheduled = True
@@ -109,6 +108,10 @@ class TokenSender:
                 if channel.backlogged:
                     await channel.drained()
         return seq
+
+    def end(self, reply_to: ReplyTo, end: LegEnd) -> None:
+        """Send a leg's outcome, after whatever it streamed."""
+        (self._channels.get(reply_to.address) or self._open(reply_to.address)).put(end)
 
     def _open(self, address: str) -> _Channel:
         sock = self._ctx.socket(zmq.PUSH)

@@ -34,6 +34,7 @@ from router.intake.output_parser import OutputParsers
 from router.intake.prompt import PromptIntake
 from router.intake.tokenizer import PromptTokenizer
 from router.intake.validation import ModelLimits
+from router.legs.leg_channel import LegChannel
 from router.legs.orchestrator import Orchestrator
 from router.legs.token_receiver import TokenReceiver
 from router.metrics import RouterMetrics
@@ -67,7 +68,6 @@ class RouterProcess:
         self.metrics = RouterMetrics()
         self._serving: bool | None = None  # what grpc.health.v1 says now (None: not yet set)
         tokenizer = PromptTokenizer(model_dir, trust_remote_code=model.trust_remote_code)
-        prefill = serve.get_deployment_handle("prefill", app_name) if has_prefill else None
         decode = serve.get_deployment_handle("decode", app_name)
         self._registry = serve.get_deployment_handle("registry", app_name)
         # Everything kept about a session between its turns, by every part of the router, one bound.
@@ -87,8 +87,9 @@ class RouterProcess:
             if not self._token:
                 raise RuntimeError(f"server.auth_token_env names {server.auth_token_env}, which is not set")
         self.tokens = TokenReceiver(token_host)
+        self.leg_channel = LegChannel(self.tokens, self.view.legs_address)
         self.legs = Orchestrator(
-            prefill, decode, tokens=self.tokens, block_size=model.block_size, config=self.config
+            self.leg_channel, decode, tokens=self.tokens, block_size=model.block_size, config=self.config
         )
         self.decider = Decider(
             view=self.view,
@@ -214,6 +215,7 @@ class RouterProcess:
             await server.stop(grace=10.0)
             view_task.cancel()
             config_task.cancel()
+            self.leg_channel.close()
             self.tokens.close()
 
     async def _start_http(self) -> HttpServer:

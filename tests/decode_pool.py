@@ -1,17 +1,19 @@
-"""A stand-in for the decode deployment's Serve handle, for router tests without engines: its `generate`
-sends a request's batches over the real token channel to the router's receiver, as a decode replica does
-(decode/decode_replica.py). The batches come from the test. tests/e2e runs the real replicas."""
+"""A stand-in for the router's leg channel (router/legs/leg_channel.py), for router tests without engines: a
+decode leg's batches come from the test and go over the real token channel to the router's receiver, as a
+decode replica sends them (decode/decode_replica.py); a prefill leg's result comes from the test.
+tests/router/legs/test_leg_channel.py specifies the real channel; tests/e2e runs the real replicas."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
-from engine.messages import EngineRequest, ReplyTo, TokenBatch
+from engine.messages import EngineRequest, PrefillResult, ReplyTo, TokenBatch
 from engine.token_sender import TokenSender
 from router.legs.token_receiver import TokenReceiver
 
-Batches = Callable[[EngineRequest, str | None], AsyncIterator[TokenBatch]]
+Batches = Callable[[EngineRequest, str], AsyncIterator[TokenBatch]]
+Prefill = Callable[[EngineRequest, str], Awaitable[PrefillResult]]
 
 # Every receiver and sender a test made: closed after it (tests/conftest.py).
 OPEN: list[TokenReceiver | TokenSender] = []
@@ -23,26 +25,22 @@ def token_receiver() -> TokenReceiver:
     return receiver
 
 
-class StandInDecodePool:
-    """`batches(request, replica_hint)`: what the replica the call reached streams for the request."""
+class StandInLegs:
+    """`batches(request, replica_id)`: what the decode replica streams for the request; `prefill(request,
+    replica_id)`: what a prefill leg returns (None: there is no prefill pool)."""
 
-    def __init__(self, batches: Batches) -> None:
+    def __init__(self, batches: Batches, prefill: Prefill | None = None) -> None:
         self._batches = batches
+        self._prefill = prefill
         self._sender = TokenSender()
         OPEN.append(self._sender)
 
-    @property
-    def generate(self) -> StandInDecodePool:
-        return self
+    def generate(self, req: EngineRequest, reply_to: ReplyTo, replica_id: str) -> asyncio.Task[int]:
+        return asyncio.ensure_future(self._sender.stream(reply_to, self._batches(req, replica_id)))
 
-    def remote(
-        self,
-        req: EngineRequest,
-        reply_to: ReplyTo,
-        replica_hint: str | None = None,
-        replica_avoid: tuple[str, ...] = (),
-    ) -> asyncio.Task[int]:
-        return asyncio.ensure_future(self._sender.stream(reply_to, self._batches(req, replica_hint)))
+    def prefill(self, req: EngineRequest, replica_id: str) -> asyncio.Future[PrefillResult]:
+        assert self._prefill is not None, "a prefill leg, with no prefill pool"
+        return asyncio.ensure_future(self._prefill(req, replica_id))
 
 
 def close_all() -> None:

@@ -1,6 +1,7 @@
 """pdserve's gRPC server in this test process, on its own port: the real service (validation, the built-in
-model's tokenizer and chat template, router, error mapping, TLS and token auth), with a stand-in decode pool
-that streams two tokens for any request. For tests of the endpoint itself; tests/e2e runs real engines."""
+model's tokenizer and chat template, router, error mapping, TLS and token auth), with a stand-in decode
+replica, D1, that streams two tokens for any request. For tests of the endpoint itself; tests/e2e runs real
+engines."""
 
 from __future__ import annotations
 
@@ -12,11 +13,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from decode_pool import StandInDecodePool, token_receiver
+from decode_pool import StandInLegs, token_receiver
 from grpc_health.v1 import health_pb2
 from ports import free_port
+from replicas import replica_info
 
-from engine.messages import EngineRequest, TokenBatch
+from engine.messages import EngineRequest, ReplicaInfo, TokenBatch
 from engine.tiny_model import ensure_tiny_model
 from pdserve_client.api import pdserve_pb2 as pb
 from router.config import LiveConfig
@@ -35,8 +37,8 @@ from router.policy.selector import PdservePolicy
 from router.view.cluster_view import ClusterView
 
 
-class NoReplicasRegistry:
-    """No replica registered: the router lets the (stand-in) pool choose."""
+class StandInRegistry:
+    """The registry's snapshot lists `entries` (default: one decode replica, D1)."""
 
     class _Call:
         def __init__(self, value: Any) -> None:
@@ -48,13 +50,21 @@ class NoReplicasRegistry:
 
             return answer()
 
-    snapshot = _Call([])
-    report_failed = _Call(None)
+    def __init__(self, entries: list[ReplicaInfo] | None = None) -> None:
+        self.snapshot = self._Call([replica_info("D1")] if entries is None else entries)
+        self.report_failed = self._Call(None)
+
+
+async def listed_view(registry: StandInRegistry | None = None) -> ClusterView:
+    """The router's view of `registry`'s replicas (default: D1), as its first poll leaves it."""
+    view = ClusterView(registry or StandInRegistry(), block_size=32)
+    await view.refresh()
+    return view
 
 
 def _decode_pool(
     tokenizer: PromptTokenizer, output: list[str] | None, seen: list[EngineRequest]
-) -> StandInDecodePool:
+) -> StandInLegs:
     """Streams `output` (text pieces, one batch each; default "a", "b" as ids 5, 6) for any request, and
     records the requests it got in `seen`."""
     if output is None:
@@ -62,7 +72,7 @@ def _decode_pool(
     else:
         pieces = [(tokenizer.encode_rendered(text), text) for text in output]
 
-    async def batches(req: EngineRequest, replica_hint: str | None) -> AsyncIterator[TokenBatch]:
+    async def batches(req: EngineRequest, replica_id: str) -> AsyncIterator[TokenBatch]:
         seen.append(req)
         *first, (last_ids, last_text) = pieces
         for ids, text in first:
@@ -76,7 +86,7 @@ def _decode_pool(
             node_id="n1",
         )
 
-    return StandInDecodePool(batches)
+    return StandInLegs(batches)
 
 
 async def _no_replicas() -> list[pb.Replica]:
@@ -84,9 +94,9 @@ async def _no_replicas() -> list[pb.Replica]:
 
 
 def generate_path(
-    tokenizer: PromptTokenizer, decode: Any, view: ClusterView, *, tool_parser: str | None = None
+    tokenizer: PromptTokenizer, legs: StandInLegs, view: ClusterView, *, tool_parser: str | None = None
 ) -> GeneratePath:
-    """The request path as the router process builds it, with no prefill pool and `decode` as the pool."""
+    """The request path as the router process builds it, with no prefill pool: legs go to `legs`."""
     metrics = RouterMetrics()
     return GeneratePath(
         intake=PromptIntake(
@@ -99,7 +109,13 @@ def generate_path(
         decider=Decider(
             view=view, policy=PdservePolicy(), block_size=32, has_prefill_pool=False, config=LiveConfig()
         ),
-        legs=Orchestrator(None, decode, tokens=token_receiver(), block_size=32, config=LiveConfig()),
+        legs=Orchestrator(
+            legs,  # type: ignore[arg-type]
+            None,  # no prefill pool: no KV to export or release
+            tokens=token_receiver(),
+            block_size=32,
+            config=LiveConfig(),
+        ),
         metrics=metrics,
     )
 
@@ -124,7 +140,7 @@ def endpoint(
     async def serve() -> None:
         tokenizer = PromptTokenizer(model_dir)
         decode = _decode_pool(tokenizer, output, [] if seen is None else seen)
-        view = ClusterView(NoReplicasRegistry(), block_size=32)
+        view = await listed_view()
         path = generate_path(tokenizer, decode, view, tool_parser="hermes")
         service = PdserveService(path, block_size=32, cluster_status=_no_replicas)
         server, health = await start_grpc_server(

@@ -19,7 +19,7 @@ from engine.messages import Sampling
 from router.block_hash import SessionHasher
 from router.config import LiveConfig
 from router.decision.readback import KvPulls, PullPlan
-from router.errors import Overloaded
+from router.errors import NoReplicaError, Overloaded
 from router.messages import Decision, PromptReuse, Route, RouteRequest
 from router.policy.types import Policy
 from router.sessions import Sessions
@@ -89,11 +89,8 @@ class Decider:
         prefill = self._view.load.views("prefill") if self._has_prefill else []
         decode = self._view.load.views("decode")
         if not decode:
-            # The registry has not reported any decode replica yet (start-up): Serve's own load-based
-            # choice still works, so serve the request without hints rather than refuse it.
-            log.warning("no decode replica registered yet; %s routed without a KV-aware choice", request_id)
-            self._admit(request_id, len(prompt), None, None)
-            return Route(prefill=self._has_prefill, avoid=self._view.failed_ids())
+            # Legs go to the replica chosen here: with none registered (yet) there is nowhere to send one.
+            raise NoReplicaError("no decode replica is registered yet")
         d = self._policy.choose(req, prefill, decode, self._view.index)  # NoReplicaError: UNAVAILABLE
         if log.isEnabledFor(logging.DEBUG):
             log.debug(

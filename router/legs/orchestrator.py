@@ -7,7 +7,8 @@
         is first asked to pin (`Route.export_replica`; if that pins nothing, prefill computes the prefix and
         the completion says so). Legs reach each prefill replica in decision order (leg_order.py).
 
-No KV bytes pass here; tokens come over this router's token channel (token_receiver.py). Cancelling aborts
+Legs go straight to the chosen replicas (leg_channel.py); KV export and release are Serve calls. No KV bytes
+pass here; tokens come over this router's token channel (token_receiver.py). Cancelling aborts
 the engine request; a decode leg that ends before its first token has the prefill engine free the KV nobody
 will pull. Failover (`serve`): a request whose replica fails goes on elsewhere with the tokens streamed so
 far appended to its prompt: one stream for the client (greedy: the same tokens). The request's lifecycle
@@ -40,6 +41,7 @@ from engine.messages import (
 from router.config import LiveConfig
 from router.decision.readback import block_id_groups, cut_pinned
 from router.errors import NoReplicaError
+from router.legs.leg_channel import LegChannel, ReplicaLost
 from router.legs.leg_order import LegOrder, Ticket
 from router.legs.token_receiver import ChannelLost, TokenReceiver
 from router.messages import RequestSummary, Route
@@ -47,7 +49,7 @@ from router.request.lifecycle import RequestLifecycle
 
 log = logging.getLogger(__name__)
 
-# A replica that died or vanished mid-call; Serve replaces it, and a retry goes to a healthy one.
+# A replica that died or vanished mid-call (Serve calls: export, release); Serve replaces it.
 REPLICA_LOST = (RayActorError, ActorDiedError, ActorUnavailableError)
 # Wait before the second move of one request (and twice that before the third, ...).
 MOVE_BACKOFF_S = 0.5
@@ -55,7 +57,7 @@ MOVE_BACKOFF_S = 0.5
 
 class LegFailed(Exception):
     """A leg's replica died or its engine failed; the request can go on elsewhere. `replica_id`: the failed
-    replica when known for sure ("" when Serve may have sent the call elsewhere than hinted)."""
+    replica ("" when not known for sure)."""
 
     def __init__(self, role: Role, replica_id: str, reason: str) -> None:
         super().__init__(f"{role} replica {replica_id or '(unknown)'}: {reason}")
@@ -67,7 +69,7 @@ class LegFailed(Exception):
 class Orchestrator:
     def __init__(
         self,
-        prefill: Any | None,
+        legs: LegChannel,
         decode: Any,
         *,
         tokens: TokenReceiver,
@@ -75,12 +77,12 @@ class Orchestrator:
         config: LiveConfig | None = None,
         export_timeout_s: float = 5.0,
     ) -> None:
-        """`prefill`/`decode`: Serve deployment handles (prefill None when the topology has no pool).
-        `tokens`: where decode replicas send this router's tokens. `config`: the router's settings (how decode
-        legs batch their tokens; None: they do not)."""
+        """`legs`: how legs reach their replicas. `decode`: the decode deployment's Serve handle (KV export
+        and release). `tokens`: where replicas send this router's tokens. `config`: the router's settings (how
+        decode legs batch their tokens; None: they do not)."""
         self._tokens = tokens
         self._config = config
-        self._prefill = prefill
+        self._legs = legs
         self._decode = decode
         self._block_size = block_size
         self._export_timeout_s = export_timeout_s
@@ -158,9 +160,11 @@ class Orchestrator:
         kv_params: dict[str, Any] | None = None
         headers = request.trace_headers if request is not None else None
         stage = request.stage if request is not None else lambda *_: None  # a lone attempt records none
-        if route.prefill and self._prefill is not None:
+        if route.prefill:
+            if route.prefill_replica is None:
+                raise NoReplicaError("the route names no prefill replica")
             # Taken before the first await: tickets follow decision order.
-            ticket = self._order.take(route.prefill_replica) if route.prefill_replica else None
+            ticket = self._order.take(route.prefill_replica)
             try:
                 pull = route.readback_params
                 if route.export_replica:
@@ -169,16 +173,14 @@ class Orchestrator:
                     stage("kv_export", began, time.monotonic())
                     if pull is None:
                         note = f"KV export from {route.export_replica} {export}: prefill computed the prefix"
-                if ticket is not None:
-                    await ticket.turn()
+                await ticket.turn()
                 began = time.monotonic()
                 prefill_result = await self._prefill_leg(
-                    request_id, prompt_token_ids, route.prefill_replica, pull, ticket, route.avoid, headers
+                    request_id, prompt_token_ids, route.prefill_replica, pull, ticket, headers
                 )
                 stage("prefill_leg", began, time.monotonic())
             finally:
-                if ticket is not None:
-                    ticket.sent()
+                ticket.sent()
             kv_params = prefill_result.kv_transfer_params
             if kv_params:
                 path = "disaggregated"
@@ -323,10 +325,9 @@ class Orchestrator:
         self,
         request_id: str,
         prompt: list[int],
-        replica: str | None,
+        replica: str,
         pull: dict[str, Any] | None,
         ticket: Ticket | None = None,
-        avoid: tuple[str, ...] = (),
         headers: dict[str, str] | None = None,
     ) -> PrefillResult:
         """`pull`: pinned decode KV of the prompt's prefix to pull instead of computing (readback). `ticket`:
@@ -338,44 +339,39 @@ class Orchestrator:
             kv_transfer_params=pull,
             trace_context=headers,
         )
-        handle = self._prefill
-        assert handle is not None
-        response = handle.prefill.remote(req, replica_hint=replica, replica_avoid=avoid)
-        if ticket is not None:
-            ticket.sent()
         try:
-            return await response
-        except REPLICA_LOST as exc:
-            # Serve may have sent the call elsewhere than hinted: the lost replica is not known for sure.
-            log.warning("prefill leg of %s: replica lost: %s", request_id, exc)
-            raise LegFailed("prefill", "", "its replica process died") from exc
-        except ReplicaFailed as exc:
+            response = self._legs.prefill(req, replica)
+            if ticket is not None:
+                ticket.sent()
+            result: PrefillResult = await response
+            return result
+        except (ReplicaLost, ReplicaFailed) as exc:
+            log.warning("prefill leg of %s: %s", request_id, exc)
             raise LegFailed("prefill", exc.replica_id, exc.reason) from exc
-        except BaseException:
-            response.cancel()
-            raise
 
     async def _decode_leg(self, req: EngineRequest, route: Route) -> AsyncGenerator[TokenBatch, None]:
-        """The decode leg: a Serve call that stays open while the replica pushes its batches to this router's
-        token channel (token_receiver.py); closing this cancels the call, which aborts the engine request."""
+        """The decode leg: the replica pushes its batches to this router's token channel
+        (token_receiver.py); closing this cancels the leg, which aborts the engine request."""
+        replica = route.decode_replica
+        if replica is None:
+            raise NoReplicaError("the route names no decode replica")
         reply_to = self._tokens.open()
-        call = self._decode.generate.remote(
-            req, reply_to, replica_hint=route.decode_replica, replica_avoid=route.avoid
-        )
-        streaming_from = ""  # every batch names its replica: once one came, the loss is known for sure
         try:
+            try:
+                call = self._legs.generate(req, reply_to, replica)
+            except ReplicaLost:
+                self._tokens.discard(reply_to)
+                raise
             async with contextlib.aclosing(self._tokens.stream(reply_to, call)) as batches:
                 async for batch in batches:
-                    streaming_from = batch.replica_id or streaming_from
                     yield batch
-        except REPLICA_LOST as exc:
-            log.warning("decode leg of %s: replica lost: %s", req.request_id, exc)
-            raise LegFailed("decode", streaming_from, "its replica process died") from exc
-        except ReplicaFailed as exc:
+        except (ReplicaLost, ReplicaFailed) as exc:
+            log.warning("decode leg of %s: %s", req.request_id, exc)
             raise LegFailed("decode", exc.replica_id, exc.reason) from exc
         except ChannelLost as exc:
             log.warning("decode leg of %s: %s", req.request_id, exc)
-            raise LegFailed("decode", streaming_from, str(exc)) from exc
+            # The channel lost batches: not the replica's fault, so it is not reported as failed.
+            raise LegFailed("decode", "", str(exc)) from exc
 
     def _handed_off_tokens(self, kv_params: dict[str, Any] | None, prompt_len: int) -> int:
         """Prompt tokens whose KV the prefill engine handed off (its block ids x block size)."""

@@ -1,9 +1,10 @@
-"""The router's end of the token channels: one ZMQ PULL socket that every decode replica pushes this router's
-tokens to (engine/token_sender.py), and an inbox per decode leg that each frame's items are sorted into.
+"""The router's end of the token channels: one ZMQ PULL socket that every engine replica pushes this router's
+tokens and leg outcomes to (engine/token_sender.py), and an inbox per decode leg that each frame's items are
+sorted into.
 
-A decode leg is a Serve call (`generate`, with this receiver's address as `reply_to`) that stays open while
-the replica streams: its tokens come here, its result is how many batches it sent, its error is the leg's
-failure (a lost replica, a failed engine). Cancelling the call aborts the engine request.
+A leg is started on its replica with this receiver's address as `reply_to` (router/legs/leg_channel.py). A
+decode leg's tokens come here, then its LegEnd (how many batches it sent, or its failure); a prefill leg sends
+only its LegEnd. The leg's call (a LegCall) resolves with that end; cancelling it aborts the engine request.
 """
 
 from __future__ import annotations
@@ -13,16 +14,14 @@ import collections
 import contextlib
 import itertools
 import logging
-import tempfile
-import uuid
-from collections.abc import AsyncGenerator, Awaitable
-from pathlib import Path
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any, Protocol
 
 import msgspec
 import zmq
 
-from engine.messages import ReplyTo, TokenBatch, TokenFrame
+from engine.messages import LegEnd, ReplyTo, TokenBatch, TokenFrame
+from engine.pull_socket import bind_pull, frames, unlink
 from router.errors import ClientNotReading
 
 log = logging.getLogger(__name__)
@@ -41,7 +40,7 @@ class ChannelLost(Exception):
 
 
 class LegCall(Protocol):
-    """A Serve call (DeploymentResponse): awaitable for its result, cancellable."""
+    """A started leg (router/legs/leg_channel.py): awaitable for its result, cancellable."""
 
     def __await__(self) -> Any: ...
 
@@ -84,19 +83,11 @@ class TokenReceiver:
         self, host: str | None = None, context: zmq.Context[zmq.Socket[bytes]] | None = None
     ) -> None:
         self._ctx = context or zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.PULL)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.RCVHWM, RECV_HWM)
-        if host is None:
-            base = Path(tempfile.gettempdir()) / "pdserve-tokens"
-            base.mkdir(mode=0o700, exist_ok=True)
-            self.address = f"ipc://{base}/{uuid.uuid4().hex}"
-            self._sock.bind(self.address)
-        else:
-            port = self._sock.bind_to_random_port(f"tcp://{host}")
-            self.address = f"tcp://{host}:{port}"
+        self._sock, self.address = bind_pull(self._ctx, host, hwm=RECV_HWM)
         self._fd = int(self._sock.getsockopt(zmq.FD))
         self._inboxes: dict[int, _Inbox] = {}
+        # Who is told when a leg ends (router/legs/leg_channel.py), by leg.
+        self._ends: dict[int, Callable[[LegEnd], None]] = {}
         self._legs = itertools.count()
         self._decoder = msgspec.msgpack.Decoder(TokenFrame)
         # The loop whose reader callback drains the socket (no task: a callback per readable socket).
@@ -105,22 +96,39 @@ class TokenReceiver:
         self.items = 0
         self.strays = 0  # items for a leg no longer listening (it ended, moved or was cancelled)
 
-    def open(self) -> ReplyTo:
-        """Where a new decode leg's tokens go: its call gets this, and `stream` reads them (call it at once:
-        it is what forgets the leg). From now on the leg's batches are kept, even those that come first."""
+    def open(self, *, batches: bool = True) -> ReplyTo:
+        """Where a new leg's outcome goes. With `batches` (a decode leg) its tokens are kept from now on, even
+        those that come first, and `stream` reads them (call it at once: it is what forgets the leg)."""
         reply_to = ReplyTo(address=self.address, leg=next(self._legs))
-        self._inboxes[reply_to.leg] = _Inbox()
+        if batches:
+            self._inboxes[reply_to.leg] = _Inbox()
         return reply_to
 
-    async def stream(self, reply_to: ReplyTo, call: LegCall) -> AsyncGenerator[TokenBatch, None]:
-        """The batches of the decode leg `reply_to` in order, its last one (finish_reason set) included.
-        Raises what `call` raises (the leg failed), ChannelLost or ClientNotReading. Closing it cancels
-        `call`."""
+    def discard(self, reply_to: ReplyTo) -> None:
+        """Forget a leg that was opened but never started."""
+        self._inboxes.pop(reply_to.leg, None)
+        self._ends.pop(reply_to.leg, None)
+
+    def expect_end(self, leg: int, on_end: Callable[[LegEnd], None]) -> None:
+        """Call `on_end` with the leg's LegEnd when it comes (once), unless `forget` is called first."""
+        self._ends[leg] = on_end
+        self._listen()
+
+    def forget(self, leg: int) -> None:
+        self._ends.pop(leg, None)
+
+    def _listen(self) -> None:
         loop = asyncio.get_running_loop()
         if self._loop is not loop:
             self._loop = loop
             loop.add_reader(self._fd, self._read)
             self._read()  # what came before the reader was added
+
+    async def stream(self, reply_to: ReplyTo, call: LegCall) -> AsyncGenerator[TokenBatch, None]:
+        """The batches of the decode leg `reply_to` in order, its last one (finish_reason set) included.
+        Raises what `call` raises (the leg failed), ChannelLost or ClientNotReading. Closing it cancels
+        `call`."""
+        self._listen()
         leg = reply_to.leg
         inbox = self._inboxes[leg]
         inbox.cancel = call.cancel
@@ -165,6 +173,13 @@ class TokenReceiver:
         self.frames += 1
         for item in frame.items:
             self.items += 1
+            if isinstance(item, LegEnd):
+                on_end = self._ends.pop(item.leg, None)
+                if on_end is None:
+                    self.strays += 1
+                else:
+                    on_end(item)
+                continue
             inbox = self._inboxes.get(item.leg)
             if inbox is None or inbox.broken is not None:
                 self.strays += 1
@@ -185,26 +200,14 @@ class TokenReceiver:
             inbox.wake()
 
     def _read(self) -> None:
-        """Everything the socket holds now. ZMQ's descriptor signals edges, not levels: it must be drained."""
-        sock = self._sock
-        while True:
-            try:
-                data = sock.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                frame = self._decoder.decode(data)
-            except msgspec.DecodeError as exc:  # not a replica of this version: say so, keep reading
-                log.error("token channel: undecodable frame (%d bytes): %s", len(data), exc)
-                continue
+        for frame in frames(self._sock, self._decoder, "token channel"):
             self.deliver(frame)
 
     def close(self) -> None:
         if self._loop is not None and not self._loop.is_closed():
             self._loop.remove_reader(self._fd)
         self._sock.close(linger=0)
-        if self.address.startswith("ipc://"):
-            Path(self.address.removeprefix("ipc://")).unlink(missing_ok=True)
+        unlink(self.address)
 
 
 async def _result(call: Awaitable[Any]) -> int:

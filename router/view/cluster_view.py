@@ -40,6 +40,11 @@ class ClusterView:
     def replicas(self) -> dict[str, ReplicaInfo]:
         return dict(self._known)
 
+    def legs_address(self, replica_id: str) -> str | None:
+        """Where `replica_id` takes legs (engine/leg_server.py); None while the registry does not list it."""
+        info = self._known.get(replica_id)
+        return info.legs_address if info is not None else None
+
     async def run(self) -> None:
         """Poll the registry until cancelled; a failed poll is logged and retried (the registry may be
         restarting), never fatal: the router keeps routing on its last view meanwhile."""

@@ -47,13 +47,13 @@ async def test_a_replica_serve_spilled_the_call_to_declines_instead_of_computing
 
 async def test_generate_streams_to_the_routers_token_channel_and_returns_how_many_batches() -> None:
     s = server()
-    s._tokens = TokenSender()
+    s.tokens = TokenSender()
     receiver = token_receiver()
     req = EngineRequest(request_id="r", prompt_token_ids=list(range(9)), sampling=Sampling(max_tokens=5))
     reply_to = receiver.open()
     call = asyncio.ensure_future(s.generate(req, reply_to))
     batches = [b async for b in receiver.stream(reply_to, call)]
-    s._tokens.close()
+    s.tokens.close()
     assert [t for b in batches for t in b.token_ids] == double_tokens(req.prompt_token_ids, 5)
     assert call.result() == len(batches) and batches[-1].finish_reason == "length"
     assert {b.replica_id for b in batches} == {"d1"}

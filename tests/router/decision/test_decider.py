@@ -1,10 +1,13 @@
 """Decider: KV readback (a session's pinned decode blocks reach its next prefill leg, once), exports,
 long local prefill, and prefill overflow driven by the router's own queue accounting."""
 
+import pytest
+
 from engine.messages import Sampling
 from router.config import LiveConfig, RouterConfig
 from router.decision.decider import Decider
 from router.decision.readback import KvPulls, ReadbackTable
+from router.errors import NoReplicaError
 from router.metrics import RouterMetrics
 from router.policy.selector import PdservePolicy
 from router.view.cluster_view import ClusterView
@@ -151,3 +154,10 @@ def test_the_route_carries_the_winning_options_cost_terms_and_the_metrics_record
     for term in ("prefill", "queue", "pull", "balance", "churn", "decode", "transfer", "stall"):
         assert count("pdserve_routing_cost_term_seconds_count", {"term": term}) == 1
     assert count("pdserve_routing_cost_term_seconds_sum", {"term": "prefill"}) == route.terms.prefill
+
+
+def test_with_no_decode_replica_registered_a_request_is_refused_as_unavailable() -> None:
+    """Legs go to the replica the decision names: before any decode replica registers there is none."""
+    router = make_router(prefill=False, view=make_view(prefill=False, decode=()))
+    with pytest.raises(NoReplicaError, match="no decode replica is registered yet"):
+        router.route("t1", None, PROMPT, Sampling(max_tokens=4))

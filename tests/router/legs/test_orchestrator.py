@@ -1,5 +1,5 @@
-"""The request path through the two legs, with in-process stand-ins for the Serve deployment handles (the
-real handles and engines are exercised in tests/e2e)."""
+"""The request path through the two legs, with in-process stand-ins for the leg channel and the decode
+deployment's Serve handle (the real channel is specified in test_leg_channel.py; tests/e2e runs engines)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,12 @@ from typing import Any
 
 import msgspec
 import pytest
-from decode_pool import StandInDecodePool, token_receiver
+from decode_pool import StandInLegs, token_receiver
 from ray.exceptions import ActorDiedError
 
 from engine.messages import EngineRequest, PrefillResult, ReplicaFailed, ReplyTo, Sampling, TokenBatch
 from router.errors import NoReplicaError
+from router.legs.leg_channel import ReplicaLost
 from router.legs.orchestrator import MOVE_BACKOFF_S, Orchestrator
 from router.messages import RequestSummary, Route
 
@@ -66,51 +67,60 @@ class _Stream:
 
 
 class FakePrefill:
+    """Prefill legs: each returns the next of `results` (or raises it)."""
+
     def __init__(self, results: list[Any]) -> None:
         self.results = results
-        self.calls: list[tuple[EngineRequest, str | None]] = []
-        self.prefill = self
+        self.calls: list[tuple[EngineRequest, str]] = []
 
-    def remote(
-        self, req: EngineRequest, replica_hint: str | None = None, replica_avoid: tuple[str, ...] = ()
-    ) -> _Call:
-        self.calls.append((req, replica_hint))
+    def start(self, req: EngineRequest, replica_id: str) -> _Call:
+        self.calls.append((req, replica_id))
         return _Call(self.results.pop(0))
 
 
-class FakeDecode(StandInDecodePool):
-    """The decode deployment's handle: `generate` sends each stream's batches over the real token channel
-    to the router's receiver (`tokens`), as a decode replica does."""
+class FakeDecode(StandInLegs):
+    """Decode legs send each stream's batches over the real token channel to the router's receiver
+    (`tokens`), as a decode replica does; `release` and `export` stand in for the decode deployment's
+    Serve handle."""
 
     def __init__(self, streams: list[list[Any]]) -> None:
         super().__init__(self._next_stream)
         self.streams = streams
-        self.calls: list[tuple[EngineRequest, str | None]] = []
+        self.calls: list[tuple[EngineRequest, str]] = []
         self.opened: list[_Stream] = []
-        self.avoided: list[tuple[str, ...]] = []
         self.release = FakeRelease()
         self.tokens = token_receiver()
 
-    def _next_stream(self, req: EngineRequest, replica_hint: str | None) -> AsyncIterator[TokenBatch]:
+    def _next_stream(self, req: EngineRequest, replica_id: str) -> AsyncIterator[TokenBatch]:
         s = _Stream(self.streams.pop(0))
         self.opened.append(s)
         return s.gen()
 
-    def remote(
-        self,
-        req: EngineRequest,
-        reply_to: ReplyTo,
-        replica_hint: str | None = None,
-        replica_avoid: tuple[str, ...] = (),
-    ) -> asyncio.Task[int]:
+    def generate(self, req: EngineRequest, reply_to: ReplyTo, replica_id: str) -> asyncio.Task[int]:
         assert reply_to.address == self.tokens.address
-        self.calls.append((req, replica_hint))
-        self.avoided.append(replica_avoid)
-        return super().remote(req, reply_to, replica_hint, replica_avoid)
+        self.calls.append((req, replica_id))
+        return super().generate(req, reply_to, replica_id)
 
 
-def orchestrator(prefill: Any, decode: FakeDecode, **kwargs: Any) -> Orchestrator:
-    return Orchestrator(prefill, decode, tokens=decode.tokens, **kwargs)
+class Legs:
+    """The leg channel: prefill legs to `prefill`, decode legs to `decode`."""
+
+    def __init__(self, prefill: FakePrefill, decode: FakeDecode) -> None:
+        self.prefill = prefill.start
+        self.generate = decode.generate
+
+
+def orchestrator(prefill: FakePrefill, decode: FakeDecode, **kwargs: Any) -> Orchestrator:
+    return Orchestrator(Legs(prefill, decode), decode, tokens=decode.tokens, **kwargs)  # type: ignore[arg-type]
+
+
+def chosen(route: Route) -> Route:
+    """`route` as the decider makes it: naming its replicas (P1, D1 where the test names none)."""
+    return msgspec.structs.replace(
+        route,
+        prefill_replica=route.prefill_replica or ("P1" if route.prefill else None),
+        decode_replica=route.decode_replica or "D1",
+    )
 
 
 class FakeRelease:
@@ -152,7 +162,7 @@ def tokens(*ids: int, final: bool = False) -> TokenBatch:
 
 async def run(orch: Orchestrator, route: Route) -> tuple[list[TokenBatch], RequestSummary]:
     batches, completions = [], []
-    async for event in orch.run("r", PROMPT, Sampling(max_tokens=3), route):
+    async for event in orch.run("r", PROMPT, Sampling(max_tokens=3), chosen(route)):
         (batches if isinstance(event, TokenBatch) else completions).append(event)
     assert len(completions) == 1, "exactly one terminal summary"
     return batches, completions[0]
@@ -164,7 +174,7 @@ async def test_disaggregated_request_hands_the_prefill_kv_params_to_decode() -> 
     orch = orchestrator(prefill, decode, block_size=32)
     batches, done = await run(orch, Route(prefill=True, prefill_replica="P1", decode_replica="D1"))
     assert [t for b in batches for t in b.token_ids] == [1, 2, 3]
-    assert prefill.calls[0][1] == "P1" and decode.calls[0][1] == "D1"  # the policy's choice travels as a hint
+    assert prefill.calls[0][1] == "P1" and decode.calls[0][1] == "D1"  # each leg goes where the policy chose
     assert decode.calls[0][0].kv_transfer_params == KV
     assert done.path == "disaggregated" and done.prefill_replica == "P1" and done.decode_replica == "D1"
     assert done.kv_transferred_tokens == 3 * 32 and done.completion_tokens == 3
@@ -212,7 +222,7 @@ class Failover:
 
     async def reroute(self, prompt: list[int], sampling: Sampling) -> Route:
         self.asked.append((prompt, sampling))
-        return self.routes.pop(0)
+        return chosen(self.routes.pop(0))
 
     def replica_failed(self, replica_id: str, reason: str) -> None:
         self.failed.append((replica_id, reason))
@@ -223,7 +233,7 @@ async def serve(
 ) -> tuple[list[int], RequestSummary]:
     ids, completions = [], []
     failover.sampling = Sampling(max_tokens=max_tokens, temperature=0.0)
-    failover.route = route
+    failover.route = chosen(route)
     failover.attempts = attempts
     async for event in orch.serve(failover):  # type: ignore[arg-type]
         if isinstance(event, TokenBatch):
@@ -239,15 +249,14 @@ def from_replica(batch: TokenBatch, replica_id: str) -> TokenBatch:
 
 
 async def test_a_lost_prefill_replica_sends_the_request_on_a_new_route() -> None:
-    prefill = FakePrefill([ActorDiedError(), prefill_result(KV)])
+    prefill = FakePrefill([ReplicaLost("P1", "its leg channel is closed"), prefill_result(KV)])
     orch = orchestrator(prefill, FakeDecode([[tokens(1, 2, 3, final=True)]]), block_size=32)
     failover = Failover(Route(prefill=True, prefill_replica="P2", decode_replica="D1"))
     ids, done = await serve(orch, Route(prefill=True, prefill_replica="P1"), failover)
-    assert [hint for _, hint in prefill.calls] == ["P1", "P2"]
-    # Serve may have sent the lost call elsewhere than hinted: no replica is blamed on a guess.
-    assert failover.failed == []
+    assert [replica for _, replica in prefill.calls] == ["P1", "P2"]
+    assert failover.failed == [("P1", "its leg channel is closed")]  # the leg went there: known for sure
     assert ids == [1, 2, 3] and done.path == "disaggregated" and done.completion_tokens == 3
-    assert "continued after prefill replica (unknown): its replica process died after 0 tokens" in done.note
+    assert "continued after prefill replica P1: its leg channel is closed after 0 tokens" in done.note
 
 
 async def test_a_failed_prefill_engine_is_reported_and_its_request_routed_again() -> None:
@@ -261,7 +270,10 @@ async def test_a_failed_prefill_engine_is_reported_and_its_request_routed_again(
 
 async def test_a_decode_replica_lost_mid_stream_continues_elsewhere_from_the_tokens_so_far() -> None:
     decode = FakeDecode(
-        [[from_replica(tokens(11), "D1"), ActorDiedError()], [tokens(12), tokens(13, final=True)]]
+        [
+            [from_replica(tokens(11), "D1"), ReplicaLost("D1", "its replica process died")],
+            [tokens(12), tokens(13, final=True)],
+        ]
     )
     orch = orchestrator(FakePrefill([prefill_result(KV)]), decode, block_size=32)
     failover = Failover(Route(prefill=False, decode_replica="D2"))
@@ -273,20 +285,27 @@ async def test_a_decode_replica_lost_mid_stream_continues_elsewhere_from_the_tok
     assert second.prompt_token_ids == [*PROMPT, 11] and second.sampling.max_tokens == 2
     assert second.kv_transfer_params is None and hint == "D2"
     assert second.request_id != decode.calls[0][0].request_id
-    assert failover.failed == [("D1", "its replica process died")]  # it streamed: known for sure
+    assert failover.failed == [("D1", "its replica process died")]
     assert done.prompt_tokens == len(PROMPT) and done.completion_tokens == 3
     assert "continued after decode replica D1: its replica process died after 1 tokens" in done.note
 
 
-async def test_a_continuation_tells_serve_which_replicas_failed() -> None:
-    """Serve may still list a replica whose engine died: the route's `avoid` travels with every call."""
+async def test_a_continuation_goes_to_the_replica_its_new_route_names() -> None:
     decode = FakeDecode(
         [[tokens(11), ReplicaFailed("D1", "its vLLM engine core died")], [tokens(12, 13, final=True)]]
     )
     orch = orchestrator(FakePrefill([]), decode, block_size=32)
     failover = Failover(Route(prefill=False, decode_replica="D2", avoid=("D1",)))
     await serve(orch, Route(prefill=False, decode_replica="D1"), failover)
-    assert decode.avoided == [(), ("D1",)]
+    assert [replica for _, replica in decode.calls] == ["D1", "D2"]
+
+
+@pytest.mark.parametrize("route", [Route(prefill=True, decode_replica="D1"), Route(prefill=False)])
+async def test_a_route_that_names_no_replica_for_a_leg_is_refused(route: Route) -> None:
+    orch = orchestrator(FakePrefill([]), FakeDecode([]), block_size=32)
+    with pytest.raises(NoReplicaError, match="the route names no"):
+        async for _ in orch.run("r", PROMPT, Sampling(max_tokens=3), route):
+            pass
 
 
 async def test_failing_again_at_once_waits_before_the_next_move(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -316,21 +335,22 @@ async def test_a_failed_engine_names_itself_and_the_request_goes_on() -> None:
 
 
 async def test_failover_gives_up_after_its_attempts_with_a_message_fit_for_a_client() -> None:
-    decode = FakeDecode([[ActorDiedError()], [ActorDiedError()]])
+    lost = ReplicaLost("D1", "its leg channel is closed")
+    decode = FakeDecode([[lost], [lost]])
     orch = orchestrator(FakePrefill([]), decode, block_size=32)
     failover = Failover(Route(prefill=False, decode_replica="D2"))
     with pytest.raises(NoReplicaError) as info:
         await serve(orch, Route(prefill=False, decode_replica="D1"), failover, attempts=1)
     assert len(decode.calls) == 2
     message = str(info.value)
-    assert message.startswith("no replica could finish the request: decode replica (unknown)")
-    assert "Traceback" not in message and "ActorDiedError" not in message
+    assert message.startswith("no replica could finish the request: decode replica D1: its leg channel")
+    assert "Traceback" not in message and "ReplicaLost" not in message
 
 
 async def test_a_consumer_that_stops_early_cancels_the_decode_stream() -> None:
     decode = FakeDecode([[tokens(1), HANG, tokens(3, final=True)]])  # the engine is still generating
     orch = orchestrator(FakePrefill([prefill_result(KV)]), decode, block_size=32)
-    events = orch.run("r", PROMPT, Sampling(max_tokens=3), Route(prefill=True))
+    events = orch.run("r", PROMPT, Sampling(max_tokens=3), chosen(Route(prefill=True)))
     first = await anext(events)
     assert isinstance(first, TokenBatch)
     await events.aclose()  # the client went away
@@ -376,7 +396,7 @@ async def test_a_decode_replica_failing_before_it_pulled_the_kv_has_another_one_
 async def test_no_release_when_there_is_no_unpulled_kv(route: Route, prefilled: Any) -> None:
     decode = FakeDecode([[tokens(1), HANG]])
     orch = orchestrator(FakePrefill([prefill_result(prefilled)]), decode, block_size=32)
-    events = orch.run("r", PROMPT, Sampling(max_tokens=3), route)
+    events = orch.run("r", PROMPT, Sampling(max_tokens=3), chosen(route))
     await anext(events)
     await events.aclose()
     await settled()

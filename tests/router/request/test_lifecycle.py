@@ -8,7 +8,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
-from decode_pool import StandInDecodePool
+from decode_pool import StandInLegs
 from inprocess_server import generate_path
 from replicas import replica_info
 
@@ -43,14 +43,14 @@ class _Registry:
             return answer()
 
 
-class _Decode(StandInDecodePool):
+class _Decode(StandInLegs):
     """D1's engine dies after one token; any other replica streams the rest. Records where legs went."""
 
     def __init__(self) -> None:
         super().__init__(self._batches)
-        self.legs: list[str | None] = []
+        self.legs: list[str] = []
 
-    async def _batches(self, req: EngineRequest, replica: str | None) -> AsyncIterator[TokenBatch]:
+    async def _batches(self, req: EngineRequest, replica: str) -> AsyncIterator[TokenBatch]:
         self.legs.append(replica)
         if replica == "D1":
             yield TokenBatch(token_ids=[5], text="a", replica_id="D1")
@@ -61,7 +61,7 @@ class _Decode(StandInDecodePool):
             text="b",
             finish_reason="length",
             num_prompt_tokens=len(req.prompt_token_ids),
-            replica_id=replica or "",
+            replica_id=replica,
             node_id="n",
         )
 

@@ -1,25 +1,27 @@
 """A request's timeline: its stages in the final message, and with tracing on one OpenTelemetry trace per
 request, the router's spans and the replicas' parented by its request span. The replicas are the real
 PrefillReplica and DecodeReplica classes on engine doubles, in this process but each with a tracer provider
-of its own (as in their own processes); what joins them is the trace context their EngineRequests carry.
+of its own (as in their own processes), reached over their real leg and token channels; what joins them is
+the trace context their EngineRequests carry.
 vLLM's own spans (it reads the same headers) need a collector and a vLLM engine: not run here."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from decode_pool import OPEN, token_receiver
-from inprocess_server import NoReplicasRegistry
+from inprocess_server import StandInRegistry
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import Tracer
+from replicas import replica_info
 
 from decode.decode_replica import DecodeReplica
 from engine.double import DoubleEngineHost
+from engine.leg_server import LegServer
 from engine.messages import EngineRequest, ReplicaFailed
 from engine.spec import EngineSpec
 from engine.tiny_model import ensure_tiny_model
@@ -35,6 +37,7 @@ from router.intake.output_parser import OutputParsers
 from router.intake.prompt import PromptIntake
 from router.intake.tokenizer import PromptTokenizer
 from router.intake.validation import ModelLimits
+from router.legs.leg_channel import LegChannel
 from router.legs.orchestrator import Orchestrator
 from router.messages import Finished
 from router.metrics import RouterMetrics
@@ -62,24 +65,26 @@ def replica(cls: type[Any], role: str, spans: Tracer) -> Any:
     r.host = DoubleEngineHost(spec, replica_id=f"{role}-1", node_id="n", node_ip="127.0.0.1")
     r.host.start()
     r.tracer = spans
+    r.tokens = TokenSender()
+    OPEN.append(r.tokens)
+    r._legs = LegServer(r.leg_handlers(), r.tokens, None)
+    r._legs.start()
+    SERVERS.append(r._legs)
     return r
 
 
-class _Pools:
-    """The Serve handles of both pools, calling the replicas directly."""
+# The leg servers and channels a test opened: closed after it.
+SERVERS: list[LegServer] = []
+CHANNELS: list[LegChannel] = []
 
-    def __init__(self, prefill: PrefillReplica, decode: DecodeReplica) -> None:
-        decode._tokens = TokenSender()
-        OPEN.append(decode._tokens)
-        self.prefill = self._Method(lambda req, *_: prefill.prefill(req))
-        self.generate = self._Method(lambda req, reply_to, *_: decode.generate(req, reply_to))
 
-    class _Method:
-        def __init__(self, call: Any) -> None:
-            self._call = call
-
-        def remote(self, req: EngineRequest, *args: Any, **kwargs: Any) -> asyncio.Task[Any]:
-            return asyncio.ensure_future(self._call(req, *args))
+@pytest.fixture(autouse=True)
+def _close_channels() -> Iterator[None]:
+    yield
+    while CHANNELS:
+        CHANNELS.pop().close()
+    while SERVERS:
+        SERVERS.pop().close()
 
 
 @pytest.fixture
@@ -96,7 +101,19 @@ def path(exporter: InMemorySpanExporter | None, **router: Any) -> GeneratePath:
     spans = None if exporter is None else tracer(exporter, "router")
     prefill = replica(PrefillReplica, "prefill", tracer(exporter or InMemorySpanExporter(), "prefill"))
     decode = replica(DecodeReplica, "decode", tracer(exporter or InMemorySpanExporter(), "decode"))
-    pools = _Pools(prefill, decode)
+    view = ClusterView(
+        StandInRegistry(
+            [
+                replica_info("prefill-1", "prefill", legs_address=prefill._legs.address),
+                replica_info("decode-1", "decode", legs_address=decode._legs.address),
+            ]
+        ),
+        block_size=32,
+    )
+    view.sync(view._registry.snapshot.value)  # as its first poll leaves it
+    receiver = token_receiver()
+    channel = LegChannel(receiver, view.legs_address)
+    CHANNELS.append(channel)
     return GeneratePath(
         intake=PromptIntake(
             tokenizer=tokenizer,
@@ -106,13 +123,13 @@ def path(exporter: InMemorySpanExporter | None, **router: Any) -> GeneratePath:
             metrics=metrics,
         ),
         decider=Decider(
-            view=ClusterView(NoReplicasRegistry(), block_size=32),
-            policy=PdservePolicy(),
+            view=view,
+            policy=PdservePolicy(config.current),
             block_size=32,
             has_prefill_pool=True,
             config=config,
         ),
-        legs=Orchestrator(pools, pools, tokens=token_receiver(), block_size=32, config=config),
+        legs=Orchestrator(channel, None, tokens=receiver, block_size=32, config=config),
         metrics=metrics,
         config=config,
         tracer=spans,
@@ -181,10 +198,11 @@ async def test_one_trace_per_request_parented_across_the_router_and_the_replicas
 async def test_a_request_that_fails_ends_its_trace_with_an_error(exporter: InMemorySpanExporter) -> None:
     p = path(exporter, failover_attempts=0)
 
-    async def dead(req: EngineRequest, *_: Any) -> Any:
+    async def dead(req: EngineRequest) -> Any:
         raise ReplicaFailed("prefill-1", "its vLLM engine core died")
 
-    p._legs._prefill.prefill = _Pools._Method(dead)  # type: ignore[attr-defined]
+    (prefill,) = [s for s in SERVERS if "prefill" in s._handlers]
+    prefill._handlers["prefill"].__self__.host.prefill = dead  # type: ignore[attr-defined]
     request = pb.GenerateRequest(
         prompt_token_ids=list(range(100, 200)), sampling=pb.SamplingParams(max_tokens=4)
     )
