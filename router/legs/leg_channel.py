@@ -4,10 +4,10 @@ a ZMQ PUSH socket per replica (engine/leg_server.py binds the other end), not as
 channel (token_receiver.py) as a LegEnd.
 
 Every leg started or cancelled in one event-loop turn goes to its replica as one LegFrame. A replica that is
-gone surfaces as ReplicaLost on each of its open legs: its connection closed and did not come back within
-RECONNECT_S (a process that died), or never opened (an address nobody listens on); ZMQ's own heartbeats close
-a connection whose peer stopped answering (a lost node). Serve's health check covers the rest (a hung engine
-fails it; its replica then stops).
+gone surfaces as ReplicaLost on each of its open legs: its connection closed (a process that died), or did not
+open within RECONNECT_S (an address nobody listens on); ZMQ's own heartbeats close a connection whose peer
+stopped answering (a lost node). Serve's health check covers the rest (a hung engine fails it; its replica
+then stops).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from router.legs.token_receiver import TokenReceiver
 
 log = logging.getLogger(__name__)
 
-# How long a replica with open legs may be unreachable before they fail over.
+# How long a leg may wait for its replica's connection to open before it fails over.
 RECONNECT_S = 0.5
 # ZMQ heartbeats on each connection: a peer silent for HEARTBEAT_TIMEOUT_MS is dropped (then RECONNECT_S).
 HEARTBEAT_IVL_MS = 1000
@@ -163,11 +163,15 @@ class _Link:
             if event["event"] == zmq.EVENT_CONNECTED:
                 self.connected = True
             elif event["event"] == zmq.EVENT_DISCONNECTED:
+                # A live replica never closes the connection: its process died, or heartbeats dropped it.
                 self.connected = False
+                if self.calls:
+                    self.lose(f"its leg channel ({self.address}) closed")
+                    return
                 self._watch()
 
     def _watch(self) -> None:
-        """Check in RECONNECT_S that the link is connected again."""
+        """Check in RECONNECT_S that the link is connected."""
         if self._check is None:
             self._check = self._loop.call_later(RECONNECT_S, self._checked)
 
@@ -176,7 +180,7 @@ class _Link:
         if self.connected or self.lost is not None:
             return
         if self.calls:
-            self.lose(f"its leg channel ({self.address}) is closed")
+            self.lose(f"its leg channel ({self.address}) did not open in {RECONNECT_S} s")
         else:  # nothing in flight: drop the link; the next leg opens a new one
             self.close()
 

@@ -251,7 +251,7 @@ async def test_a_replica_process_killed_mid_leg_surfaces_as_lost_within_the_boun
         with pytest.raises(ReplicaLost) as lost:
             await asyncio.wait_for(call, 10)
         assert lost.value.replica_id == "P1"
-        assert time.monotonic() - began < leg_channel.RECONNECT_S + 1.0
+        assert time.monotonic() - began < 1.0  # at once: its connection closed
     finally:
         if proc.returncode is None:
             proc.kill()
