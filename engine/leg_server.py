@@ -72,11 +72,13 @@ class LegServer:
         return len(self._running)
 
     async def drain(self, notice_s: float = DRAIN_NOTICE_S) -> None:
-        """Return once no leg has run for `notice_s` (routers stop sending once they see the replica
-        draining in the registry): then no router still counts on this replica."""
+        """Return once no leg runs and none started for `notice_s`, counted from this call at the earliest
+        (routers stop sending once they see the replica draining in the registry): then no router still
+        counts on this replica."""
+        began = time.monotonic()
         while True:
             await self._idle.wait()
-            quiet = time.monotonic() - self._last_start
+            quiet = time.monotonic() - max(self._last_start, began)
             if quiet >= notice_s:
                 return
             await asyncio.sleep(notice_s - quiet)
@@ -84,14 +86,21 @@ class LegServer:
     def _read(self) -> None:
         for frame in frames(self._sock, self._decoder, "leg channel"):
             for item in frame.items:
-                if isinstance(item, LegStart):
-                    self._start(item)
-                else:
+                if isinstance(item, LegCancel):
                     self._cancel(item)
+                    continue
+                try:
+                    self._start(item)
+                except Exception as exc:  # one bad leg must not stop the others being read
+                    log.exception("leg %d from %s not started", item.reply_to.leg, item.reply_to.address)
+                    self._send(item.reply_to, LegEnd(leg=item.reply_to.leg, sent=0, error=repr(exc)))
 
     def _start(self, leg: LegStart) -> None:
         assert self._loop is not None
-        task: asyncio.Task[Any] = self._loop.create_task(self._handlers[leg.kind](leg.request, leg.reply_to))
+        handler = self._handlers.get(leg.kind)
+        if handler is None:
+            raise ValueError(f"this replica runs {'/'.join(self._handlers)} legs, not {leg.kind}")
+        task: asyncio.Task[Any] = self._loop.create_task(handler(leg.request, leg.reply_to))
         self._running[leg.reply_to] = task
         self._last_start = time.monotonic()
         self._idle.clear()
@@ -103,24 +112,19 @@ class LegServer:
             task.cancel()
 
     def _ended(self, reply_to: ReplyTo, task: asyncio.Task[Any]) -> None:
-        del self._running[reply_to]
+        if self._running.get(reply_to) is task:
+            del self._running[reply_to]
+        if not task.cancelled():  # cancelled: the router gave the leg up and expects nothing more
+            self._send(reply_to, _outcome(reply_to, task))
+        # Only once its end is queued: a drain waiting for this must not close the channel before it is sent.
         if not self._running:
             self._idle.set()
-        if task.cancelled():  # the router gave the leg up and expects nothing more
-            return
-        exc = task.exception()
-        if exc is None:
-            outcome = task.result()
-            if isinstance(outcome, PrefillResult):
-                end = LegEnd(leg=reply_to.leg, sent=0, result=outcome)
-            else:
-                end = LegEnd(leg=reply_to.leg, sent=outcome)
-        elif isinstance(exc, ReplicaFailed):
-            end = LegEnd(leg=reply_to.leg, sent=0, failed=exc.reason)
-        else:
-            log.error("leg %d from %s failed", reply_to.leg, reply_to.address, exc_info=exc)
-            end = LegEnd(leg=reply_to.leg, sent=0, error=f"{type(exc).__name__}: {exc}")
-        self._tokens.end(reply_to, end)
+
+    def _send(self, reply_to: ReplyTo, end: LegEnd) -> None:
+        try:
+            self._tokens.end(reply_to, end)
+        except Exception:  # e.g. an address ZMQ refuses: that router's legs are lost to it either way
+            log.exception("could not send the end of leg %d to %s", reply_to.leg, reply_to.address)
 
     def close(self) -> None:
         """Stop taking legs and cancel those running (their engine requests are aborted)."""
@@ -130,3 +134,16 @@ class LegServer:
             task.cancel()
         self._sock.close(linger=0)
         unlink(self.address)
+
+
+def _outcome(reply_to: ReplyTo, task: asyncio.Task[Any]) -> LegEnd:
+    exc = task.exception()
+    if exc is None:
+        outcome = task.result()
+        if isinstance(outcome, PrefillResult):
+            return LegEnd(leg=reply_to.leg, sent=0, result=outcome)
+        return LegEnd(leg=reply_to.leg, sent=outcome)
+    if isinstance(exc, ReplicaFailed):
+        return LegEnd(leg=reply_to.leg, sent=0, failed=exc.reason)
+    log.error("leg %d from %s failed", reply_to.leg, reply_to.address, exc_info=exc)
+    return LegEnd(leg=reply_to.leg, sent=0, error=f"{type(exc).__name__}: {exc}")

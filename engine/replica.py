@@ -122,7 +122,8 @@ class EngineReplica:
             log.info("replica %s draining: %d legs running", self.host.replica_id, legs.running)
             await legs.drain()
             legs.close()
-            self.tokens.close()
+            await self.tokens.flush(DRAIN_PUBLISH_S)  # the last legs' ends, then a moment for ZMQ to send
+            self.tokens.close(linger_ms=1000)
             self._registry.withdraw.remote(self.host.replica_id)
         host = getattr(self, "host", None)
         if host is not None:

@@ -53,6 +53,10 @@ class _Channel:
     def backlogged(self) -> bool:
         return len(self._items) > BACKLOG_ITEMS
 
+    @property
+    def pending(self) -> bool:
+        return bool(self._items)
+
     async def drained(self) -> None:
         if self._drained is None:
             self._drained = asyncio.get_running_loop().create_future()
@@ -60,7 +64,7 @@ class _Channel:
 
     def _flush(self) -> None:
         self._scheduled = False
-        if not self._items:
+        if not self._items or self._sock.closed:
             return
         try:
             self._sock.send(self._encoder.encode(TokenFrame(items=self._items)), zmq.NOBLOCK)
@@ -85,8 +89,8 @@ class _Channel:
             self._drained.set_result(None)
             self._drained = None
 
-    def close(self) -> None:
-        self._sock.close(linger=0)
+    def close(self, linger_ms: int) -> None:
+        self._sock.close(linger=linger_ms)
 
 
 class TokenSender:
@@ -124,7 +128,15 @@ class TokenSender:
         log.info("token channel to %s opened", address)
         return channel
 
-    def close(self) -> None:
+    async def flush(self, timeout_s: float) -> None:
+        """Wait (up to `timeout_s`) until every channel has handed what it holds to ZMQ."""
+        pending = [c.drained() for c in self._channels.values() if c.pending]
+        if pending:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.gather(*pending), timeout_s)
+
+    def close(self, linger_ms: int = 0) -> None:
+        """`linger_ms`: how long ZMQ may still send what it holds (a stopping replica's last leg ends)."""
         for channel in self._channels.values():
-            channel.close()
+            channel.close(linger_ms)
         self._channels.clear()

@@ -35,8 +35,9 @@ from router.legs.token_receiver import TokenReceiver
 
 log = logging.getLogger(__name__)
 
-# How long a leg may wait for its replica's connection to open before it fails over.
-RECONNECT_S = 0.5
+# How long a leg may wait for its replica's connection to open before it fails over (TCP retries a lost
+# connection request after 1 s: a slow network must not fail a healthy replica).
+RECONNECT_S = 3.0
 # ZMQ heartbeats on each connection: a peer silent for HEARTBEAT_TIMEOUT_MS is dropped (then RECONNECT_S).
 HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 5000
@@ -113,6 +114,7 @@ class _Link:
         sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         self.connected = False
+        self.closed = False
         self.lost: ReplicaLost | None = None
         self.calls: dict[int, LegCall] = {}
         self._pending: list[LegStart | LegCancel] = []
@@ -147,7 +149,7 @@ class _Link:
 
     def _flush(self) -> None:
         items, self._pending = self._pending, []
-        if not items or self.lost is not None:
+        if not items or self.closed:
             return
         try:
             self._sock.send(self._encoder.encode(LegFrame(items=items)), zmq.NOBLOCK)
@@ -192,6 +194,9 @@ class _Link:
         self.close()
 
     def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
         if self._check is not None:
             self._check.cancel()
             self._check = None
@@ -241,5 +246,6 @@ class LegChannel:
             del self._links[link.replica_id]
 
     def close(self) -> None:
+        """The router is stopping: every open leg ends as lost."""
         for link in list(self._links.values()):
-            link.close()
+            link.lose("the router is stopping")

@@ -359,7 +359,7 @@ class Orchestrator:
         try:
             try:
                 call = self._legs.generate(req, reply_to, replica)
-            except ReplicaLost:
+            except BaseException:
                 self._tokens.discard(reply_to)
                 raise
             async with contextlib.aclosing(self._tokens.stream(reply_to, call)) as batches:

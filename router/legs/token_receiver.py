@@ -14,6 +14,7 @@ import collections
 import contextlib
 import itertools
 import logging
+import random
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any, Protocol
 
@@ -26,8 +27,8 @@ from router.errors import ClientNotReading
 
 log = logging.getLogger(__name__)
 
-# How long the batches of a leg whose call has returned may take to arrive (they were sent before it
-# returned, over a socket that keeps order: only a lost channel makes them later than that).
+# How long the batches of a leg that has ended may take to arrive. Its LegEnd follows them on the same socket,
+# so a batch missing then is lost; the grace only covers a stand-in that reports the end another way.
 ARRIVAL_GRACE_S = 5.0
 # Batches a leg may hold unread (its client is not reading) before it is ended: its engine request is
 # aborted rather than its tokens held at everyone else's expense.
@@ -88,7 +89,8 @@ class TokenReceiver:
         self._inboxes: dict[int, _Inbox] = {}
         # Who is told when a leg ends (router/legs/leg_channel.py), by leg.
         self._ends: dict[int, Callable[[LegEnd], None]] = {}
-        self._legs = itertools.count()
+        # From a random start: a replica may still run legs of an earlier router at this same address.
+        self._legs = itertools.count(random.getrandbits(62))
         self._decoder = msgspec.msgpack.Decoder(TokenFrame)
         # The loop whose reader callback drains the socket (no task: a callback per readable socket).
         self._loop: asyncio.AbstractEventLoop | None = None

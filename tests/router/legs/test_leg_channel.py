@@ -280,3 +280,45 @@ async def test_draining_waits_for_running_legs_and_for_routers_to_stop_sending(o
     assert (await first).token_ids == [8]
     await asyncio.wait_for(drained, 2)
     await stream.aclose()
+
+
+async def test_a_leg_the_replica_does_not_run_is_refused_and_the_next_ones_still_run(
+    opened: list[Any],
+) -> None:
+    d = replica(opened, "D1")
+    d.server._handlers = {"generate": d.generate}  # a decode replica: it runs no prefill legs
+    legs, receiver = channel(opened, {"D1": d.server.address})
+    with pytest.raises(LegError, match="not prefill"):
+        await legs.prefill(REQ, "D1")
+    reply_to = receiver.open()
+    call = legs.generate(REQ, reply_to, "D1")
+    assert [b.token_ids async for b in receiver.stream(reply_to, call)] == [[7], [8]]
+
+
+async def test_a_stopping_replica_sends_its_last_legs_end_before_it_closes(opened: list[Any]) -> None:
+    p = replica(opened, "P1")
+    legs, _ = channel(opened, {"P1": p.server.address})
+
+    async def slow(req: EngineRequest, reply_to: ReplyTo) -> PrefillResult:
+        await asyncio.sleep(0.3)
+        return RESULT
+
+    p.server._handlers = {"prefill": slow}
+    call = legs.prefill(REQ, "P1")
+    await asyncio.sleep(0.05)  # running there
+    await p.server.drain(notice_s=0.1)  # as the replica's shutdown does, then it closes everything
+    p.server.close()
+    await p.tokens.flush(1.0)
+    p.tokens.close(linger_ms=1000)
+    assert await asyncio.wait_for(call, 2) == RESULT
+
+
+async def test_a_stopping_router_ends_its_open_legs(opened: list[Any]) -> None:
+    p = replica(opened, "P1")
+    p.server._handlers = {"prefill": lambda req, reply_to: asyncio.Event().wait()}  # type: ignore[dict-item]
+    legs, _ = channel(opened, {"P1": p.server.address})
+    call = legs.prefill(REQ, "P1")
+    await asyncio.sleep(0.05)
+    legs.close()
+    with pytest.raises(ReplicaLost, match="the router is stopping"):
+        await call
