@@ -38,21 +38,23 @@ from router.view.cluster_view import ClusterView
 
 
 class StandInRegistry:
-    """The registry's snapshot lists `entries` (default: one decode replica, D1)."""
+    """The registry's snapshot lists `entries` (default: one decode replica, D1); a test may change them
+    between polls."""
 
     class _Call:
-        def __init__(self, value: Any) -> None:
-            self.value = value
+        def __init__(self, answer: Any) -> None:
+            self._answer = answer
 
         def remote(self, *args: Any) -> Any:
             async def answer() -> Any:
-                return self.value
+                return self._answer()
 
             return answer()
 
     def __init__(self, entries: list[ReplicaInfo] | None = None) -> None:
-        self.snapshot = self._Call([replica_info("D1")] if entries is None else entries)
-        self.report_failed = self._Call(None)
+        self.entries = [replica_info("D1")] if entries is None else entries
+        self.snapshot = self._Call(lambda: list(self.entries))
+        self.report_failed = self._Call(lambda: None)
 
 
 async def listed_view(registry: StandInRegistry | None = None) -> ClusterView:

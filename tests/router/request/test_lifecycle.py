@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import Any
 
 from decode_pool import StandInLegs
-from inprocess_server import generate_path
+from inprocess_server import StandInRegistry, generate_path
 from replicas import replica_info
 
 from engine.messages import EngineRequest, ReplicaFailed, ReplicaInfo, TokenBatch
@@ -22,25 +21,6 @@ from router.view.cluster_view import ClusterView
 
 def _info(rid: str) -> ReplicaInfo:
     return replica_info(rid, ready=True)
-
-
-class _Registry:
-    """What the registry lists: `entries`, changed by the test between polls."""
-
-    def __init__(self, entries: list[ReplicaInfo]) -> None:
-        self.entries = entries
-        self.snapshot = self._Call(lambda: list(self.entries))
-        self.report_failed = self._Call(lambda: None)
-
-    class _Call:
-        def __init__(self, value: Any) -> None:
-            self._value = value
-
-        def remote(self, *args: Any) -> Any:
-            async def answer() -> Any:
-                return self._value()
-
-            return answer()
 
 
 class _Decode(StandInLegs):
@@ -68,7 +48,7 @@ class _Decode(StandInLegs):
 
 async def test_a_continuation_finds_a_replica_that_registered_since_the_last_poll() -> None:
     tokenizer = PromptTokenizer(ensure_tiny_model())
-    registry = _Registry([_info("D1")])
+    registry = StandInRegistry([_info("D1")])
     view = ClusterView(registry, block_size=32)
     await view.refresh()  # the router knows D1 only; its background poll is not running here
     decode = _Decode()

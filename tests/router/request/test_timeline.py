@@ -101,16 +101,14 @@ def path(exporter: InMemorySpanExporter | None, **router: Any) -> GeneratePath:
     spans = None if exporter is None else tracer(exporter, "router")
     prefill = replica(PrefillReplica, "prefill", tracer(exporter or InMemorySpanExporter(), "prefill"))
     decode = replica(DecodeReplica, "decode", tracer(exporter or InMemorySpanExporter(), "decode"))
-    view = ClusterView(
-        StandInRegistry(
-            [
-                replica_info("prefill-1", "prefill", legs_address=prefill._legs.address),
-                replica_info("decode-1", "decode", legs_address=decode._legs.address),
-            ]
-        ),
-        block_size=32,
+    registry = StandInRegistry(
+        [
+            replica_info("prefill-1", "prefill", legs_address=prefill._legs.address),
+            replica_info("decode-1", "decode", legs_address=decode._legs.address),
+        ]
     )
-    view.sync(view._registry.snapshot.value)  # as its first poll leaves it
+    view = ClusterView(registry, block_size=32)
+    view.sync(registry.entries)  # as its first poll leaves it
     receiver = token_receiver()
     channel = LegChannel(receiver, view.legs_address)
     CHANNELS.append(channel)
