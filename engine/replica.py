@@ -121,8 +121,10 @@ class EngineReplica:
                 log.warning("could not tell the registry that %s drains: %r", self.host.replica_id, exc)
             log.info("replica %s draining: %d legs running", self.host.replica_id, legs.running)
             await legs.drain()
+            # The last legs' ends first, then the leg channel: its closing tells the routers to give up on
+            # legs still open here (router/legs/leg_channel.py END_GRACE_S).
+            await self.tokens.flush(DRAIN_PUBLISH_S)
             legs.close()
-            await self.tokens.flush(DRAIN_PUBLISH_S)  # the last legs' ends, then a moment for ZMQ to send
             self.tokens.close(linger_ms=1000)
             self._registry.withdraw.remote(self.host.replica_id)
         host = getattr(self, "host", None)

@@ -4,8 +4,9 @@ a ZMQ PUSH socket per replica (engine/leg_server.py binds the other end), not as
 channel (token_receiver.py) as a LegEnd.
 
 Every leg started or cancelled in one event-loop turn goes to its replica as one LegFrame. A replica that is
-gone surfaces as ReplicaLost on each of its open legs: its connection closed (a process that died), or did not
-open within RECONNECT_S (an address nobody listens on); ZMQ's own heartbeats close a connection whose peer
+gone surfaces as ReplicaLost on each of its open legs: its connection closed (a process that died; after
+END_GRACE_S, for the ends a stopping replica sent last), or did not open within RECONNECT_S (an address nobody
+listens on); ZMQ's own heartbeats close a connection whose peer
 stopped answering (a lost node). Serve's health check covers the rest (a hung engine fails it; its replica
 then stops).
 """
@@ -41,6 +42,9 @@ RECONNECT_S = 3.0
 # ZMQ heartbeats on each connection: a peer silent for HEARTBEAT_TIMEOUT_MS is dropped (then RECONNECT_S).
 HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 5000
+# A stopping replica sends its last legs' ends on the token channel, then closes this connection: the two
+# sockets are not ordered, so its open legs are failed only once the ends had this long to arrive.
+END_GRACE_S = 0.2
 SEND_HWM = 10_000
 
 
@@ -168,9 +172,17 @@ class _Link:
                 # A live replica never closes the connection: its process died, or heartbeats dropped it.
                 self.connected = False
                 if self.calls:
-                    self.lose(f"its leg channel ({self.address}) closed")
-                    return
+                    self._loop.call_later(END_GRACE_S, self._closed_with_calls)
+                    continue
                 self._watch()
+
+    def _closed_with_calls(self) -> None:
+        if self.closed:
+            return
+        if self.calls:
+            self.lose(f"its leg channel ({self.address}) closed")
+        else:  # its legs all ended: the next leg reconnects (or finds the replica gone)
+            self._watch()
 
     def _watch(self) -> None:
         """Check in RECONNECT_S that the link is connected."""

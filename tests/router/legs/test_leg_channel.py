@@ -17,7 +17,7 @@ import pytest
 from decode_pool import OPEN, token_receiver
 
 from engine.leg_server import LegServer
-from engine.messages import EngineRequest, PrefillResult, ReplicaFailed, ReplyTo, Sampling, TokenBatch
+from engine.messages import EngineRequest, LegEnd, PrefillResult, ReplicaFailed, ReplyTo, Sampling, TokenBatch
 from engine.token_sender import TokenSender
 from router.legs import leg_channel
 from router.legs.leg_channel import LegChannel, LegError, ReplicaLost
@@ -251,7 +251,7 @@ async def test_a_replica_process_killed_mid_leg_surfaces_as_lost_within_the_boun
         with pytest.raises(ReplicaLost) as lost:
             await asyncio.wait_for(call, 10)
         assert lost.value.replica_id == "P1"
-        assert time.monotonic() - began < 1.0  # at once: its connection closed
+        assert time.monotonic() - began < 1.0  # its connection closed: within END_GRACE_S
     finally:
         if proc.returncode is None:
             proc.kill()
@@ -307,9 +307,25 @@ async def test_a_stopping_replica_sends_its_last_legs_end_before_it_closes(opene
     call = legs.prefill(REQ, "P1")
     await asyncio.sleep(0.05)  # running there
     await p.server.drain(notice_s=0.1)  # as the replica's shutdown does, then it closes everything
-    p.server.close()
     await p.tokens.flush(1.0)
+    p.server.close()
     p.tokens.close(linger_ms=1000)
+    assert await asyncio.wait_for(call, 2) == RESULT
+
+
+async def test_a_legs_end_that_arrives_just_after_its_leg_channel_closed_still_counts(
+    opened: list[Any],
+) -> None:
+    # The token channel and the leg channel are two sockets: a stopping replica's last end may reach the
+    # router after the closing of its leg channel does.
+    p = replica(opened, "P1")
+    p.server._handlers = {"prefill": lambda req, reply_to: asyncio.Event().wait()}  # type: ignore[dict-item]
+    legs, _ = channel(opened, {"P1": p.server.address})
+    call = legs.prefill(REQ, "P1")
+    await asyncio.sleep(0.1)  # connected, running there
+    p.server.close()
+    await asyncio.sleep(0.05)  # its close was seen (ipc: at once), within END_GRACE_S
+    p.tokens.end(call.reply_to, LegEnd(leg=call.reply_to.leg, sent=0, result=RESULT))
     assert await asyncio.wait_for(call, 2) == RESULT
 
 
