@@ -100,11 +100,9 @@ class Orchestrator:
         failed, then routes the continuation (`request.reroute`). The continuation's prompt is the original
         one plus every token streamed so far, and its max_tokens what is left, so a greedy stream goes on
         exactly where it stopped. At most `request.attempts` moves."""
-        started = time.monotonic()
         prompt_token_ids, sampling, route = request.prompt, request.sampling, request.route
         generated: list[int] = []
         moves: list[str] = []
-        first_token_ms: float | None = None
 
         def left() -> Sampling:  # what the continuation may still generate
             return msgspec.structs.replace(sampling, max_tokens=sampling.max_tokens - len(generated))
@@ -115,12 +113,9 @@ class Orchestrator:
             try:
                 async for event in self.run(leg_id, prompt_token_ids + generated, left(), route, request):
                     if isinstance(event, TokenBatch):
-                        if event.token_ids and first_token_ms is None:
-                            first_token_ms = (time.monotonic() - started) * 1e3
                         generated += event.token_ids
                     elif moves:
-                        event = _continued(event, len(prompt_token_ids), generated, moves, started)
-                        event.ttft_ms = first_token_ms or event.ttft_ms
+                        event = _continued(event, len(prompt_token_ids), generated, moves)
                     yield event
                 return
             except LegFailed as exc:
@@ -379,14 +374,12 @@ class Orchestrator:
         return min(len(groups[0]) * self._block_size, prompt_len) if groups else 0
 
 
-def _continued(
-    c: RequestSummary, prompt_len: int, generated: list[int], moves: list[str], started: float
-) -> RequestSummary:
-    """The last leg's summary, as the client's one request: the original prompt, every token streamed."""
+def _continued(c: RequestSummary, prompt_len: int, generated: list[int], moves: list[str]) -> RequestSummary:
+    """The last leg's summary, as the client's one request: the original prompt, every token streamed
+    (its TTFT and end-to-end time are the request's: RequestLifecycle.turn_done)."""
     c.prompt_tokens = prompt_len
     c.cached_tokens = min(c.cached_tokens, prompt_len)
     c.completion_tokens = len(generated)
-    c.e2e_ms = (time.monotonic() - started) * 1e3
     c.note = "; ".join(filter(None, [c.note, *(f"continued after {m}" for m in moves)]))
     if c.output_token_ids:  # with readback: the pin holds the continuation's prompt and its output
         c.output_token_ids = generated

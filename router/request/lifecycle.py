@@ -131,7 +131,13 @@ class RequestLifecycle:
         self._last_tokens_at = now
 
     def turn_done(self, c: RequestSummary) -> None:
-        """The last token was generated: record the request and tell the decider where the turn's KV is."""
+        """The last token was generated: record the request and tell the decider where the turn's KV is.
+        Its TTFT and end-to-end time count from its arrival, as its timeline does: a client waits through
+        intake, the decision and every failed attempt too."""
+        now = time.monotonic()
+        c.e2e_ms = (now - self.arrived) * 1e3
+        if self._first_token_at is not None:
+            c.ttft_ms = (self._first_token_at - self.arrived) * 1e3
         self._record(c)
         c.timeline = list(self._stages)
         self._decider.turn_done(
