@@ -3,7 +3,7 @@
 Each system (as `pdserve bench --side-by-side` names them: `aggregated`, `pd`, `vllm`, `aggregated@REV`)
 is started here in turn and sent the same seeded closed-loop workload after a warm-up. The CPU time
 (user + system) of its token-path processes is read before and after:
-    pdserve: the `pdserve up` process (the router lives there) and the Serve replica actors of its engines
+    pdserve: the Serve replica actors of its router and its engines (and `pdserve up`, which only watches)
     vllm:    its API server process
 Engine cores (`VLLM::EngineCore`, the model's compute) and Ray's daemons are reported apart.
 
@@ -31,7 +31,8 @@ from bench.live.systems import known, started
 # What a process is, by its command line: token path, engine, or Ray/Serve daemon.
 _ENGINE = ("VLLM::EngineCore", "VLLM::Worker")
 _TOKEN_PATH = (
-    "pdserve up",
+    "ServeReplica:pdserve:router",
+    "pdserve up",  # where the router ran before it was a replica (an older REV); today it only watches
     "ServeReplica:pdserve:decode",
     "ServeReplica:pdserve:prefill",
     "vllm.entrypoints.openai.api_server",

@@ -305,6 +305,8 @@ def deploy_progress(details: dict[str, Any], app_name: str, elapsed_s: float, no
             age = now - float(r.get("start_time_s") or now)
             where = f" on {r['node_ip']}" if r.get("node_ip") else ""
             why = _WAITING_FOR.get(state, state.lower())
+            if name == "router" and state == "STARTING":
+                why = "loading the tokenizer and opening its endpoint"
             waits.append(f"replica {r.get('replica_id')} {state} {age:.0f} s{where}: {why}")
         line = f"{name} {running}/{target} running"
         if waits:

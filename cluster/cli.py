@@ -1,6 +1,6 @@
 """The `pdserve` command line.
 
-pdserve up [-f deploy/local.yaml]      start Ray (local head), deploy the Serve app, serve gRPC (foreground)
+pdserve up [-f deploy/local.yaml]      start Ray (local head), deploy the Serve app and its router, watch it
 pdserve down [--address URL]           stop what `pdserve up` started (or remove pdserve from a cluster)
 pdserve generate "prompt" [...]        one request through the gRPC endpoint
 pdserve apply -f FILE [--dry-run]      show the diff and change the running cluster to match FILE
@@ -21,6 +21,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from importlib.metadata import entry_points
@@ -196,21 +197,28 @@ def _up(args: argparse.Namespace) -> int:
         APP_NAME,
         BootstrapError,
         RunState,
+        cluster_processes,
         deploy,
         process_alive,
-        router_process,
         start_local_head,
         wait_until_running,
     )
     from cluster.ray_auth import RayAuthError, ensure_ray_token, token_path, use_ray_token_auth
     from cluster.serve_config import compile_serve_config
     from engine.model_source import resolve_model_dir
-    from router.doors.listen import ListenError
 
-    topo = _load(args.file)
+    topo = _local_files(_load(args.file))
     existing = RunState.load()
-    if existing is not None and process_alive(existing.pid):
-        raise _UserError(f"a cluster is already up (pid {existing.pid}); run `pdserve down` first")
+    if existing is not None:
+        if process_alive(existing.pid):
+            raise _UserError(f"a cluster is already up (pid {existing.pid}); run `pdserve down` first")
+        if existing.started_ray and cluster_processes(existing.ray_address):
+            # Its `pdserve up` died (the cluster does not depend on it): the cluster still serves.
+            raise _UserError(
+                f"the cluster that `pdserve up` (pid {existing.pid}, since exited) started still runs and "
+                f"serves gRPC at {existing.grpc_target}: `pdserve status` shows it, `pdserve down` stops it"
+            )
+        RunState.clear()  # what it started is gone
     _check_endpoints(topo)
     use_ray_token_auth()
     try:
@@ -221,13 +229,13 @@ def _up(args: argparse.Namespace) -> int:
         log.info("made a Ray auth token for this cluster in %s (readable by its owner only)", made)
     started = time.monotonic()
     started_wall = time.time()
-    model_dir = resolve_model_dir(topo.model.source)
+    resolve_model_dir(topo.model.source)  # the built-in model is built here once, not by each replica at once
     started_ray = topo.ray.address is None
-    # Until the router's loop installs its own handlers, SIGTERM (`pdserve down`) interrupts like Ctrl-C.
+    # Until the cluster is up and watched (_watch), SIGTERM (`pdserve down`) interrupts like Ctrl-C.
     signal.signal(signal.SIGTERM, _interrupt)
     address: str | None = None
     try:
-        if started_ray:
+        if topo.ray.address is None:
             address, dashboard = start_local_head(topo)
         else:
             address = topo.ray.address
@@ -251,26 +259,25 @@ def _up(args: argparse.Namespace) -> int:
             started_at=started_wall,
         ).save()
         log.info("Ray at %s, dashboard %s; deploying application %s", address, dashboard, APP_NAME)
-        deploy(compile_serve_config(topo, app_name=APP_NAME), dashboard)
+        # The router is a deployment of the application like the engines: Serve restarts it, and this
+        # process only starts and watches the cluster, so its death stops nothing.
+        deploy(compile_serve_config(topo, app_name=APP_NAME, serve_router=True), dashboard)
+        # RUNNING: every replica's constructor returned, the router's once its endpoint accepts calls.
         wait_until_running(APP_NAME, topo.ray.placement_timeout_s, dashboard_url=dashboard, progress=log.info)
-        router = router_process(topo, model_dir, APP_NAME)
+        log.info("cluster ready in %.1f s", time.monotonic() - started)
         grpc_address = f"{topo.server.grpc_host}:{topo.server.grpc_port}"
         metrics_url = f"http://{topo.server.metrics_host}:{topo.server.metrics_port}/metrics"
-
-        def announce() -> None:
-            # Only once the gRPC endpoint accepts calls: scripts wait for this line.
-            log.info("cluster ready in %.1f s", time.monotonic() - started)
-            http = (
-                f", OpenAI HTTP http://{topo.server.http_host}:{topo.server.http_port}/v1"
-                if topo.server.http_port
-                else ""
-            )
-            ready = f"{READY_LINE}: gRPC {grpc_address}{http}, dashboard {dashboard}, metrics {metrics_url}"
-            print(ready, flush=True)
-
-        asyncio.run(_serve_router(router, announce))
+        http = (
+            f", OpenAI HTTP http://{topo.server.http_host}:{topo.server.http_port}/v1"
+            if topo.server.http_port
+            else ""
+        )
+        # Scripts wait for this line.
+        ready = f"{READY_LINE}: gRPC {grpc_address}{http}, dashboard {dashboard}, metrics {metrics_url}"
+        print(ready, flush=True)
+        _watch(APP_NAME)
         return 0
-    except (BootstrapError, ListenError) as exc:
+    except BootstrapError as exc:
         raise _UserError(str(exc)) from exc
     except KeyboardInterrupt:
         return 130
@@ -294,12 +301,39 @@ def _check_endpoints(topo: Topology) -> None:
         raise _UserError(str(exc)) from exc
 
 
-async def _serve_router(router: Any, on_ready: Callable[[], None]) -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
+def _local_files(topo: Topology) -> Topology:
+    """The topology with its TLS files as absolute paths: the router replica that reads them runs on this
+    machine, but in Ray's working directory, not this one."""
+    import msgspec
+
+    tls = topo.server.tls
+    if tls is None:
+        return topo
+    files = {name: str(Path(getattr(tls, name)).resolve()) for name in ("cert_file", "key_file")}
+    server = msgspec.structs.replace(topo.server, tls=msgspec.structs.replace(tls, **files))
+    return msgspec.structs.replace(topo, server=server)
+
+
+def _watch(app_name: str, every_s: float = 5.0) -> None:
+    """Until Ctrl-C or SIGTERM (`pdserve down`): say when the application's state changes (a replica that
+    Serve replaces, the router's included, shows here as well as on the dashboard)."""
+    from ray import serve
+
+    stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await router.serve_until(stop, on_ready=on_ready)
+        signal.signal(sig, lambda *_: stop.set())
+    last = "RUNNING"
+    while not stop.wait(every_s):
+        try:
+            app = serve.status().applications.get(app_name)
+        except Exception as exc:  # the controller restarting: Serve brings it back, we keep watching
+            log.warning("reading the application's status failed: %s", exc)
+            continue
+        state = "gone" if app is None else str(getattr(app.status, "value", app.status))
+        if state != last:
+            detail = f": {app.message}" if app is not None and app.message else ""
+            log.warning("application %s is %s%s", app_name, state, detail)
+            last = state
 
 
 def _interrupt(signum: int, frame: Any) -> None:

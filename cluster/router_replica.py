@@ -1,13 +1,14 @@
 """pdserve's front end as a Serve deployment: the router (router/process.py) inside a replica on the Ray head.
 
-`pdserve up` runs the router in its own foreground process. A cluster that nobody runs `pdserve up` on (a
-KubeRay RayService, `serve deploy` of `pdserve export` on a `ray start` cluster) gets it from this
-deployment instead, so the Serve application alone serves the gRPC endpoint. Same RouterProcess, same
-topology (read from the registry, which holds the deployed one), only the host differs:
+Every cluster runs its router this way: `pdserve up` deploys it with the engines and only watches the
+cluster (its death stops nothing), and a cluster nobody runs `pdserve up` on (a KubeRay RayService, `serve
+deploy` of `pdserve export` on a `ray start` cluster) gets the same application. The topology comes from
+the registry, which holds the deployed one.
 - the replica runs on the head node (Ray's `node:__internal_head__` resource), where the head's Service or
   port publishes server.grpc_port, and where the TLS files and the token's environment variable are;
 - Serve's health check asks whether the endpoint is still serving, so Serve replaces a router whose server
-  stopped; on shutdown the server drains its streams (router/process.py's grace) before the replica exits.
+  stopped or whose process died; on shutdown the server drains its streams (router/process.py's grace)
+  before the replica exits.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 Deployments: `prefill` (omitted when the topology has no prefill replicas), `decode`, and `registry`, which
 binds the engine pools so that Serve deploys them and keeps the replica registry. The registry is the
-application's ingress, unless the application serves its own router (`router`, cluster/router_replica.py:
-a cluster nobody runs `pdserve up` on), which then binds the registry. Placement, replica counts and
+application's ingress, unless the application serves its router (`router`, cluster/router_replica.py:
+every deployed cluster; tests may run their own), which then binds the registry. Placement, replica counts and
 scaling come from the Serve config that cluster/serve_config.py compiles from the same topology; this
 module only says what each replica runs.
 
@@ -81,7 +81,7 @@ def _threads_binds(bind: str | list[str]) -> list[str]:
 
 def app_args(topo: Topology, *, serve_router: bool = False) -> dict[str, Any]:
     """The application's `args`: what changes only with a restart of the whole application. `serve_router`:
-    the router runs as a deployment of the application rather than in `pdserve up`."""
+    the router runs as a deployment of the application (rather than in a test's own process)."""
     args: dict[str, Any] = {"roles": [role for role, pool in topo.pools.items() if pool.replicas > 0]}
     if serve_router:
         args["router"] = True

@@ -49,8 +49,8 @@ def compile_serve_config(
     topo: Topology, *, app_name: str = "pdserve", serve_router: bool = False
 ) -> dict[str, Any]:
     """The topology's Serve deploy config (ServeDeploySchema): one application, a deployment per pool.
-    `serve_router`: the application runs its own router (cluster/router_replica.py) for clusters that no
-    `pdserve up` runs on; `pdserve up` runs the router in its own process."""
+    `serve_router`: the application runs its router (cluster/router_replica.py), as `pdserve up` and
+    `pdserve export` deploy it; without, the caller runs a RouterProcess itself (the cluster tests do)."""
     deployments = [
         _deployment(role, pool, engine_spec(topo, role))
         for role, pool in topo.pools.items()
@@ -60,7 +60,7 @@ def compile_serve_config(
     if serve_router:
         deployments.append(router_deployment_config())
     return {
-        # pdserve's router serves its own gRPC endpoint (from `pdserve up` or its replica), so Serve's
+        # pdserve's router serves its own gRPC endpoint (from its replica), so Serve's
         # HTTP/gRPC proxies would only take ports and CPU.
         "proxy_location": "Disabled",
         "applications": [

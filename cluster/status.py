@@ -19,6 +19,7 @@ import msgspec
 from engine.messages import ReplicaInfo
 
 ENGINE_DEPLOYMENTS = ("prefill", "decode")
+ROUTER_DEPLOYMENT = "router"  # shown by its status only: it publishes nothing to the registry
 
 
 class ReplicaRow(msgspec.Struct, frozen=True, kw_only=True):
@@ -116,10 +117,12 @@ def build_status(
     rows: list[ReplicaRow] = []
     deployments: dict[str, str] = {}
     for name, dep in (app.get("deployments") or {}).items():
-        if name not in ENGINE_DEPLOYMENTS:
+        if name not in (*ENGINE_DEPLOYMENTS, ROUTER_DEPLOYMENT):
             continue
         status = str(dep.get("status"))
         deployments[name] = status if status == "HEALTHY" else f"{status}: {dep.get('message') or ''}".strip()
+        if name == ROUTER_DEPLOYMENT:
+            continue
         for replica in dep.get("replicas") or []:
             rid = str(replica.get("replica_id"))
             actor_name = replica.get("actor_name") or f"SERVE_REPLICA::{app_name}#{name}#{rid}"

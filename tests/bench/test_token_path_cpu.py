@@ -10,7 +10,8 @@ from bench.token_path_cpu import kind, spent
 @pytest.mark.parametrize(
     ("cmdline", "expected"),
     [
-        ("/venv/bin/python /venv/bin/pdserve up -f /tmp/t.yaml", "token"),
+        ("ray::ServeReplica:pdserve:router", "token"),
+        ("/venv/bin/python /venv/bin/pdserve up -f /tmp/t.yaml", "token"),  # the router of an older REV
         ("ray::ServeReplica:pdserve:decode", "token"),
         ("ray::ServeReplica:pdserve:prefill", "token"),
         ("/venv/bin/python -m vllm.entrypoints.openai.api_server --config v.yaml", "token"),

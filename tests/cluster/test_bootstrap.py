@@ -113,14 +113,17 @@ def test_deploy_progress_names_each_starting_replica_its_age_and_what_it_waits_f
     }
     prefill = {"status": "UPDATING", "target_num_replicas": 1, "message": no_gpu, "replicas": []}
     registry = {"status": "HEALTHY", "target_num_replicas": 1, "replicas": [{"state": "RUNNING"}]}
-    details = {
-        "applications": {
-            "pdserve": {"deployments": {"decode": decode, "prefill": prefill, "registry": registry}}
-        }
+    router = {
+        "status": "UPDATING",
+        "target_num_replicas": 1,
+        "replicas": [{"replica_id": "r1", "state": "STARTING", "start_time_s": 990.0}],
     }
+    deployments = {"decode": decode, "prefill": prefill, "registry": registry, "router": router}
+    details = {"applications": {"pdserve": {"deployments": deployments}}}
     assert deploy_progress(details, "pdserve", 61.2, now) == (
         "waiting for replicas (61 s): decode 1/2 running (replica d2 STARTING 45 s on 10.0.0.7: loading the "
-        f"model and starting its vLLM engine); prefill 0/1 running [Serve: {no_gpu}]"
+        f"model and starting its vLLM engine); prefill 0/1 running [Serve: {no_gpu}]; router 0/1 running "
+        "(replica r1 STARTING 10 s: loading the tokenizer and opening its endpoint)"
     )
     assert "not created" in deploy_progress({"applications": {}}, "pdserve", 3, now)
     assert "Serve status unavailable (TimeoutError: slow)" in deploy_progress(

@@ -127,3 +127,25 @@ async def test_a_replica_serve_no_longer_has_shows_as_gone_until_its_entry_expir
     gone = build_status(APP, details, {}, [Published.of_info(i) for i in registry])
     (row,) = [r for r in gone.replicas if r.role == "prefill"]
     assert (row.replica_id, row.state, row.registry) == (prefill.replica_id, "GONE", "ready")
+
+
+def test_the_router_deployment_shows_by_its_status_and_has_no_replica_rows() -> None:
+    details = {
+        "applications": {
+            APP: {
+                "status": "RUNNING",
+                "deployments": {
+                    "router": {
+                        "status": "UNHEALTHY",
+                        "message": "the router's endpoint stopped",
+                        "replicas": [{"replica_id": "r1", "state": "RUNNING"}],
+                    },
+                    "registry": {"status": "HEALTHY", "replicas": [{"replica_id": "g1"}]},
+                },
+            }
+        }
+    }
+    status = build_status(APP, details, {}, [])
+    assert status.deployments == {"router": "UNHEALTHY: the router's endpoint stopped"}
+    assert status.replicas == []
+    assert "  router: UNHEALTHY: the router's endpoint stopped" in render_table(status)
