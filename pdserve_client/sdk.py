@@ -18,7 +18,9 @@ arguments and parameters may be dicts or JSON text). Every gRPC failure surfaces
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -30,6 +32,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve_client.api import pdserve_pb2 as pb
 from pdserve_client.api import pdserve_pb2_grpc
+from pdserve_client.continuation import CHANNEL_OPTIONS, RECONNECT_S, StreamContinuation
 
 _MESSAGE_KEYS = frozenset({"role", "content", "tool_calls", "tool_call_id", "name"})
 
@@ -255,15 +258,21 @@ class _CompletionBuilder:
         )
 
 
+def _error(exc: grpc.RpcError, why_not_continued: str = "") -> PdserveError:
+    code = exc.code() if callable(getattr(exc, "code", None)) else grpc.StatusCode.UNKNOWN
+    details = (exc.details() if callable(getattr(exc, "details", None)) else str(exc)) or ""
+    if why_not_continued:
+        details += f" (the stream was not continued: {why_not_continued})"
+    return PdserveError(code, details)
+
+
 @contextmanager
 def _grpc_errors() -> Iterator[None]:
     """Turn gRPC failures (sync and aio alike) into PdserveError."""
     try:
         yield
     except grpc.RpcError as exc:
-        code = exc.code() if callable(getattr(exc, "code", None)) else grpc.StatusCode.UNKNOWN
-        details = exc.details() if callable(getattr(exc, "details", None)) else str(exc)
-        raise PdserveError(code, details or "") from exc
+        raise _error(exc) from exc
 
 
 @dataclass(frozen=True)
@@ -272,17 +281,31 @@ class _CallOptions:
     # The client's default deadline (seconds) for calls that give none.
     timeout: float | None
 
+    # How long a stream whose router connection was lost keeps trying to continue (0: never).
+    reconnect_s: float = RECONNECT_S
+
     def deadline(self, timeout: float | None) -> float | None:
         return timeout if timeout is not None else self.timeout
 
+    def ends_at(self, timeout: float | None) -> float | None:
+        """A call's deadline as a time.monotonic() instant: the continuations of a stream share it."""
+        limit = self.deadline(timeout)
+        return None if limit is None else time.monotonic() + limit
 
-def _call_options(token: str | None, timeout: float | None) -> _CallOptions:
+
+def _left(ends_at: float | None) -> float | None:
+    return None if ends_at is None else max(ends_at - time.monotonic(), 0.0)
+
+
+def _call_options(token: str | None, timeout: float | None, reconnect_s: float) -> _CallOptions:
     metadata = (("authorization", f"Bearer {token}"),) if token else ()
-    return _CallOptions(metadata=metadata, timeout=timeout)
+    return _CallOptions(metadata=metadata, timeout=timeout, reconnect_s=reconnect_s)
 
 
 class PdserveClient:
-    """Synchronous client. `timeout` (seconds) is the default deadline of every call."""
+    """Synchronous client. `timeout` (seconds) is the default deadline of every call. `reconnect_s`: how long
+    a stream whose router connection is lost keeps trying to continue on a router (pdserve_client/
+    continuation.py; 0: never, the stream fails with UNAVAILABLE)."""
 
     def __init__(
         self,
@@ -292,15 +315,17 @@ class PdserveClient:
         root_certificates: bytes | None = None,
         tls: bool = False,
         timeout: float | None = None,
+        reconnect_s: float = RECONNECT_S,
     ) -> None:
         # `tls` without `root_certificates`: the system's trusted roots (or GRPC_DEFAULT_SSL_ROOTS_FILE_PATH).
         if root_certificates is not None or tls:
-            self._channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates))
+            credentials = grpc.ssl_channel_credentials(root_certificates)
+            self._channel = grpc.secure_channel(target, credentials, options=CHANNEL_OPTIONS)
         else:
-            self._channel = grpc.insecure_channel(target)
+            self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
         self._stub = pdserve_pb2_grpc.PdserveStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
-        self._options = _call_options(token, timeout)
+        self._options = _call_options(token, timeout, reconnect_s)
 
     def close(self) -> None:
         self._channel.close()
@@ -314,17 +339,36 @@ class PdserveClient:
     def generate(
         self, *, timeout: float | None = None, **fields: Unpack[GenerateFields]
     ) -> Iterator[pb.GenerateResponse]:
-        """Stream the response messages; the last has `final` set. Leaving the loop early cancels the call."""
-        call = self._stub.Generate(
-            generate_request(**fields),
-            metadata=self._options.metadata,
-            timeout=self._options.deadline(timeout),
-        )
-        try:
-            with _grpc_errors():
-                yield from call
-        finally:
-            call.cancel()
+        """Stream the response messages; the last has `final` set. Leaving the loop early cancels the call.
+        A lost router connection is continued on a router (`reconnect_s`)."""
+        stream = StreamContinuation(generate_request(**fields), self._options.reconnect_s)
+        ends_at, request = self._options.ends_at(timeout), stream.request
+        while True:
+            call = self._stub.Generate(request, metadata=self._options.metadata, timeout=_left(ends_at))
+            try:
+                for response in call:
+                    yield stream.seen(response)
+                return
+            except grpc.RpcError as exc:
+                wait = stream.may_continue(exc)
+                if wait is None:
+                    raise _error(exc, stream.cannot_continue()) from exc
+                lost = exc
+            finally:
+                call.cancel()
+            time.sleep(wait)
+            try:
+                grpc.channel_ready_future(self._channel).result(timeout=stream.reconnect_left_s())
+            except grpc.FutureTimeoutError:
+                raise _error(lost, f"no router answered within {stream.reconnect_s:.0f} s") from lost
+            prompt_ids = None
+            if stream.needs_prompt_ids():
+                with _grpc_errors():
+                    tokenized = self._stub.Tokenize(
+                        stream.tokenize_request(), metadata=self._options.metadata, timeout=RECONNECT_S
+                    )
+                prompt_ids = list(tokenized.token_ids)
+            request = stream.continue_with(prompt_ids, lost)
 
     def generate_text(self, *, timeout: float | None = None, **fields: Unpack[GenerateFields]) -> Completion:
         builder = _CompletionBuilder()
@@ -400,15 +444,17 @@ class AsyncPdserveClient:
         root_certificates: bytes | None = None,
         tls: bool = False,
         timeout: float | None = None,
+        reconnect_s: float = RECONNECT_S,
     ) -> None:
         # `tls` without `root_certificates`: the system's trusted roots (or GRPC_DEFAULT_SSL_ROOTS_FILE_PATH).
         if root_certificates is not None or tls:
-            self._channel = grpc.aio.secure_channel(target, grpc.ssl_channel_credentials(root_certificates))
+            credentials = grpc.ssl_channel_credentials(root_certificates)
+            self._channel = grpc.aio.secure_channel(target, credentials, options=CHANNEL_OPTIONS)
         else:
-            self._channel = grpc.aio.insecure_channel(target)
+            self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
         self._stub = pdserve_pb2_grpc.PdserveStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
-        self._options = _call_options(token, timeout)
+        self._options = _call_options(token, timeout, reconnect_s)
 
     async def close(self) -> None:
         await self._channel.close()
@@ -425,18 +471,36 @@ class AsyncPdserveClient:
         timeout: float | None = None,  # noqa: ASYNC109
         **fields: Unpack[GenerateFields],
     ) -> AsyncIterator[pb.GenerateResponse]:
-        """Stream the response messages; the last has `final` set. Leaving the loop early cancels the call."""
-        call = self._stub.Generate(
-            generate_request(**fields),
-            metadata=self._options.metadata,
-            timeout=self._options.deadline(timeout),
-        )
-        try:
-            with _grpc_errors():
+        """Stream the response messages; the last has `final` set. Leaving the loop early cancels the call.
+        A lost router connection is continued on a router (`reconnect_s`)."""
+        stream = StreamContinuation(generate_request(**fields), self._options.reconnect_s)
+        ends_at, request = self._options.ends_at(timeout), stream.request
+        while True:
+            call = self._stub.Generate(request, metadata=self._options.metadata, timeout=_left(ends_at))
+            try:
                 async for response in call:
-                    yield response
-        finally:
-            call.cancel()
+                    yield stream.seen(response)
+                return
+            except grpc.RpcError as exc:
+                wait = stream.may_continue(exc)
+                if wait is None:
+                    raise _error(exc, stream.cannot_continue()) from exc
+                lost = exc
+            finally:
+                call.cancel()
+            await asyncio.sleep(wait)
+            try:
+                await asyncio.wait_for(self._channel.channel_ready(), stream.reconnect_left_s())
+            except TimeoutError:
+                raise _error(lost, f"no router answered within {stream.reconnect_s:.0f} s") from lost
+            prompt_ids = None
+            if stream.needs_prompt_ids():
+                with _grpc_errors():
+                    tokenized = await self._stub.Tokenize(
+                        stream.tokenize_request(), metadata=self._options.metadata, timeout=RECONNECT_S
+                    )
+                prompt_ids = list(tokenized.token_ids)
+            request = stream.continue_with(prompt_ids, lost)
 
     async def generate_text(
         self,

@@ -228,7 +228,8 @@ class Streamer:
         return self
 
     def _loop(self, client_index: int) -> None:
-        with PdserveClient(self.target) as client:
+        # reconnect_s=0: what the router answers is what is recorded, never the SDK's own continuation.
+        with PdserveClient(self.target, reconnect_s=0) as client:
             n = 0
             while not self._stop.is_set():
                 n += 1
