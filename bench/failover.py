@@ -10,13 +10,16 @@ router: it is read from the router's cluster status), and to a replacement servi
 
 Faults: decode_worker (SIGKILL of a decode replica's VLLM::Worker process), decode_engine_core (of its
 VLLM::EngineCore), replica_actor (of the replica's actor process), frozen_engine (SIGSTOP of a decode
-engine core: no error, no progress; the topology's hang_timeout_s is 3 s here), prefill_engine_core.
+engine core: no error, no progress; the topology's hang_timeout_s is 3 s here), prefill_engine_core, router
+(SIGKILL of the router replica's process: the SDK continues its streams on the replacement, and the last
+column is when a new router serves).
 tests/e2e/test_faults.py runs the same faults and asserts on them.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import signal
 import tempfile
 import threading
@@ -25,12 +28,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import psutil
 import yaml
 
 from bench.live.systems import topology
 from cluster.bootstrap import APP_NAME, RunState
-from pdserve_client.sdk import Completion, PdserveClient
+from pdserve_client.sdk import Completion, PdserveClient, PdserveError
 
 REPO = Path(__file__).resolve().parents[1]
 STREAMS = 8
@@ -59,10 +63,16 @@ def generate(client: PdserveClient, prompt: str) -> Completion:
 
 
 def wait_for(probe: Callable[[], object], timeout_s: float, what: str) -> object:
+    """`probe()` until it returns something; a call the router cannot answer (it is being replaced) counts
+    as nothing yet."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if (value := probe()) is not None:
-            return value
+        try:
+            if (value := probe()) is not None:
+                return value
+        except PdserveError as exc:
+            if exc.code != grpc.StatusCode.UNAVAILABLE:
+                raise
         time.sleep(0.1)
     raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
@@ -112,16 +122,37 @@ def any_prefill(client: PdserveClient) -> str | None:
     return next(iter(ready(client, "prefill")), None)
 
 
-def replica_pid(role: str, replica_id: str) -> int:
+def serve_replicas(deployment: str) -> dict[str, int]:
+    """The deployment's running Serve replicas: id -> actor process id."""
     from ray.dashboard.modules.serve.sdk import ServeSubmissionClient
 
     state = RunState.load()
     assert state is not None, "no cluster is up"
     details = ServeSubmissionClient(state.dashboard_url).get_serve_details()
-    for r in details["applications"][APP_NAME]["deployments"][role]["replicas"]:
-        if r["replica_id"] == replica_id:
-            return int(r["pid"])
-    raise LookupError(f"no Serve replica {replica_id}")
+    replicas = details["applications"][APP_NAME]["deployments"][deployment]["replicas"]
+    return {str(r["replica_id"]): int(r["pid"]) for r in replicas if r["state"] == "RUNNING" and r.get("pid")}
+
+
+def replica_pid(role: str, replica_id: str) -> int:
+    pid = serve_replicas(role).get(replica_id)
+    if pid is None:
+        raise LookupError(f"no running Serve replica {replica_id}")
+    return pid
+
+
+def router_when_busy(client: PdserveClient) -> str | None:
+    """The router, once the streams run on the engines (so that the kill lands mid-stream)."""
+    if busiest_decode(client) is None:
+        return None
+    return next(iter(serve_replicas("router")), None)
+
+
+def new_router_serving(client: PdserveClient, killed: str) -> bool | None:
+    """A router other than `killed` answers a new request."""
+    if killed in serve_replicas("router"):
+        return None
+    client.generate_text(prompt="are you back?", max_tokens=1)
+    return True
 
 
 def engine_process(role: str, replica_id: str, name: str) -> psutil.Process:
@@ -146,8 +177,8 @@ class Fault:
         return self.name
 
     def inject(self, replica_id: str) -> None:
-        if self.name == "replica_actor":
-            # The actor process dies at once (a crash, an OOM kill); its engine core follows it.
+        if self.name in ("replica_actor", "router"):
+            # The actor process dies at once (a crash, an OOM kill); an engine core follows it.
             psutil.Process(replica_pid(self.role, replica_id)).send_signal(signal.SIGKILL)
         elif self.name == "frozen_engine":
             self.stopped = engine_process(self.role, replica_id, "VLLM::EngineCore")
@@ -168,6 +199,7 @@ FAULTS = [
     Fault("replica_actor", "decode", busiest_decode),
     Fault("frozen_engine", "decode", busiest_decode),
     Fault("prefill_engine_core", "prefill", any_prefill),
+    Fault("router", "router", router_when_busy),
 ]
 
 
@@ -190,17 +222,26 @@ def run_fault(client: PdserveClient, fault: Fault) -> FaultResult:
     try:
         at = time.monotonic()
         fault.inject(victim)
-        wait_for(lambda: True if victim not in ready(client, fault.role) else None, 60, "the victim to go")
-        out_of_routing_s = time.monotonic() - at
-        outputs = streams.join()
-        wait_for(lambda: whole_cluster(client), 240, "Serve to replace the replica")
-        replaced_s = time.monotonic() - at
+        if fault.role == "router":  # nothing routes to a router: "out of routing" does not apply
+            out_of_routing_s = float("nan")
+            wait_for(lambda: new_router_serving(client, victim), 240, "a new router to serve")
+            replaced_s = time.monotonic() - at
+            outputs = streams.join()
+        else:
+
+            def gone() -> bool | None:
+                return True if victim not in ready(client, fault.role) else None
+
+            wait_for(gone, 60, "the victim to go")
+            out_of_routing_s = time.monotonic() - at
+            outputs = streams.join()
+            wait_for(lambda: whole_cluster(client), 240, "Serve to replace the replica")
+            replaced_s = time.monotonic() - at
     finally:
         fault.clean_up()
-    moved = sum(
-        isinstance(c, Completion) and f"continued after {fault.role} replica" in c.served_by.note
-        for c in outputs
-    )
+    router = fault.role == "router"
+    moved_note = "the router connection was lost" if router else f"continued after {fault.role} replica"
+    moved = sum(isinstance(c, Completion) and moved_note in c.served_by.note for c in outputs)
     return FaultResult(fault.name, victim, outputs, moved, out_of_routing_s, replaced_s)
 
 
@@ -230,9 +271,10 @@ def main(argv: list[str] | None = None) -> int:
             for fault in chosen:
                 r = run_fault(client, fault)
                 same = [c.token_ids if isinstance(c, Completion) else None for c in r.outputs] == reference
+                gone = "-" if math.isnan(r.out_of_routing_s) else f"{r.out_of_routing_s:.2f}s"
                 print(
                     f"{r.fault:<22}{f'{r.moved}/{STREAMS}':>7}{'yes' if same else 'NO':>11}"
-                    f"{r.out_of_routing_s:>15.2f}s{r.replaced_s:>20.1f}s",
+                    f"{gone:>16}{r.replaced_s:>20.1f}s",
                     flush=True,
                 )
             client.close()

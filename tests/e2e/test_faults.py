@@ -6,7 +6,8 @@ dead replica leaves routing at once, and Serve replaces it.
 Faults, in turn (bench/failover.py, which also prints how long each took): a decode replica's vLLM worker
 process is killed, then its engine core, then the replica's actor process; a decode engine is frozen
 (SIGSTOP: no error, no progress); the prefill engine is killed while the streams' prefill legs and KV
-transfers are in flight."""
+transfers are in flight; the router's process is killed (Serve replaces it, the engines keep running, and
+the SDK continues every stream on the new router)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from bench.failover import (
     Fault,
     generate,
     run_fault,
+    serve_replicas,
     wait_for,
     whole_cluster,
     write_topology,
@@ -54,14 +56,25 @@ def reference(client: PdserveClient) -> list[list[int]]:
 def test_every_stream_survives_a_failure_token_for_token(
     fault: Fault, client: PdserveClient, reference: list[list[int]]
 ) -> None:
+    engines = {r.replica_id for r in client.cluster_status()}
     result = run_fault(client, fault)
     done = [c for c in result.outputs if isinstance(c, Completion)]
     assert len(done) == len(PROMPTS), [c for c in result.outputs if not isinstance(c, Completion)]
     assert [c.token_ids for c in done] == reference
+    if fault.role != "router":  # the router itself moved every stream, not the SDK's continuation
+        assert not [c for c in done if "the router connection was lost" in c.served_by.note]
     if fault.role == "decode":
         moved = [c for c in done if "continued after decode replica" in c.served_by.note]
         assert moved, "no stream was running on the broken replica"
         assert all(c.served_by.decode_replica != result.victim for c in moved)
+    if fault.role == "router":
+        # Every stream was in flight: each one continued on the new router (the SDK's continuation).
+        assert result.moved == len(PROMPTS), [c.served_by.note for c in done]
+        assert result.victim not in serve_replicas("router")  # Serve replaced the router...
+        assert {r.replica_id for r in client.cluster_status()} == engines  # ...and no engine restarted
+        print(f"router: {result.moved}/{len(PROMPTS)} streams continued; a new router serving after "
+              f"{result.replaced_s:.1f} s")  # fmt: skip
+        return
     print(
         f"{fault.name}: {result.moved}/{len(PROMPTS)} streams moved; out of routing after "
         f"{result.out_of_routing_s:.2f} s, a replacement serving after {result.replaced_s:.1f} s"
