@@ -141,8 +141,9 @@ def replica_pid(role: str, replica_id: str) -> int:
 
 
 def router_when_busy(client: PdserveClient) -> str | None:
-    """The router, once the streams run on the engines (so that the kill lands mid-stream)."""
-    if busiest_decode(client) is None:
+    """The router, once every stream runs on a decode engine (engine stats, 2 s): each has had its first
+    token, so the kill lands mid-stream (a stream the router has not answered yet is not continued)."""
+    if sum(ready(client, "decode").values()) < STREAMS:
         return None
     return next(iter(serve_replicas("router")), None)
 

@@ -1,15 +1,17 @@
 """A Generate stream that outlives the router serving it.
 
-When the connection to a router is lost mid-stream (UNAVAILABLE: the router died, or is being replaced),
-the SDK reconnects, to the same address (Serve replaces a router, or another one shares its port) and sends
-the continuation the router's own engine failover uses: the original prompt plus every token already
-received, with what is left of max_tokens. A greedy stream so goes on exactly where it stopped; the final
-message says it moved and counts the request as one.
+When the connection to a router is lost mid-stream (UNAVAILABLE after the router answered: it died, or is
+being replaced), the SDK reconnects to the same address (Serve replaces a router, or another one shares its
+port) and sends the continuation the router's own engine failover uses: the original prompt plus every
+token already received, with what is left of max_tokens. A greedy stream so goes on exactly where it
+stopped; the final message says it moved and counts the request as one.
 
-Not continued once output began: requests with tools or a response format (the router's tool-call parser
-and the engine's grammar would start over after what the client already has), and requests without
-max_tokens (what is left of the server's default is not known here); their error says so. A stop string
-that spans the break is not seen (each router sees only its own part of the output).
+A stream no router answered yet fails at once, as any call does (nothing serves the address, TLS fails, or
+the router died before its first message: the client may send it again). Not continued once output began:
+requests with tools or a response format (the router's tool-call parser and the engine's grammar would start
+over after what the client already has), and requests without max_tokens (what is left of the server's
+default is not known here); their error says so. A stop string that spans the break is not seen (each
+router sees only its own part of the output).
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ class StreamContinuation:
         self._prompt_ids: list[int] | None = list(request.prompt_token_ids) or None
         self._moves: list[str] = []
         self._lost_at: float | None = None
+        # A router answered this stream: it was accepted, so a lost connection is a lost router, not an
+        # address nothing serves or a TLS handshake that fails (those fail at once, as before).
+        self._answered = False
 
     @property
     def moved(self) -> bool:
@@ -47,6 +52,7 @@ class StreamContinuation:
         """Record a response on its way to the caller; a moved stream's final message is made the whole
         request's (its prompt, every token, a note)."""
         self._received.extend(response.token_ids)
+        self._answered = True
         self._lost_at = None
         if self._moves and response.HasField("final"):
             usage = response.final.usage
@@ -63,6 +69,8 @@ class StreamContinuation:
         the error is the request's own (not a lost router) or the stream cannot go on."""
         code = error.code() if callable(getattr(error, "code", None)) else None
         if code != grpc.StatusCode.UNAVAILABLE or self.reconnect_s <= 0 or len(self._moves) >= MAX_MOVES:
+            return None
+        if not self._answered:
             return None
         if self.cannot_continue():
             return None

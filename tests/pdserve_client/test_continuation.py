@@ -25,13 +25,14 @@ PROMPT_IDS = [1, 2, 3]
 
 
 class DyingRouter(pdserve_pb2_grpc.PdserveServicer):
-    """Streams three tokens, then hangs until it is stopped."""
+    """Streams three tokens (`silent`: none), then hangs until it is stopped."""
 
-    def __init__(self) -> None:
+    def __init__(self, silent: bool = False) -> None:
         self.sent = threading.Event()
+        self.silent = silent
 
     def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[Any]:
-        for t in (5, 6, 7):
+        for t in () if self.silent else (5, 6, 7):
             yield pb.GenerateResponse(request_id="r", token_ids=[t], text=f"<{t}>")
         self.sent.set()
         while context.is_active():
@@ -73,9 +74,9 @@ class Routers:
     """A router that dies once it has streamed three tokens, and (unless `replaced` is False) the one
     that takes its port a moment later."""
 
-    def __init__(self, replaced: bool = True) -> None:
+    def __init__(self, replaced: bool = True, silent: bool = False) -> None:
         self.port = free_port()
-        self.dying, self.next = DyingRouter(), NextRouter()
+        self.dying, self.next = DyingRouter(silent), NextRouter()
         self._first = serve(self.dying, self.port)
         self._second: grpc.Server | None = None
         self._replaced = replaced
@@ -167,3 +168,16 @@ def test_reconnect_s_0_fails_the_stream_at_once(routers: Routers) -> None:
     with PdserveClient(f"127.0.0.1:{routers.port}", reconnect_s=0) as client, pytest.raises(PdserveError):
         list(client.generate(prompt="hello", max_tokens=5))
     assert routers.next.requests == []
+
+
+def test_a_stream_no_router_answered_yet_fails_at_once() -> None:
+    """Not a lost router, as far as the client can tell: an address nothing serves or a failing TLS
+    handshake look the same, and waiting reconnect_s for those would only delay their error."""
+    routers = Routers(silent=True)
+    try:
+        with PdserveClient(f"127.0.0.1:{routers.port}") as client, pytest.raises(PdserveError) as failed:
+            list(client.generate(prompt="hello", max_tokens=5))
+        assert failed.value.code == grpc.StatusCode.UNAVAILABLE
+        assert routers.next.requests == []
+    finally:
+        routers.close()
