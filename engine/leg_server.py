@@ -3,8 +3,9 @@
 
 One PULL socket per replica takes every router's LegFrames. Each LegStart runs as a task; its outcome goes
 back to the router on the token channel as a LegEnd, after its last batch. A LegCancel cancels the task, which
-aborts the engine request. Serve still places, health-checks and replaces the replica; since it no longer
-sees these legs, draining them is the replica's own job (`drain`).
+aborts the engine request; so does the router's going away (engine/token_sender.py). Serve still places,
+health-checks and replaces the replica; since it no longer sees these legs, draining them is the replica's
+own job (`drain`).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class LegServer:
         self._last_start = 0.0
         self._idle = asyncio.Event()
         self._idle.set()
+        tokens.on_router_lost(self._router_lost)
 
     def start(self) -> None:
         """Take legs from now on (on the running loop)."""
@@ -109,6 +111,14 @@ class LegServer:
     def _cancel(self, cancel: LegCancel) -> None:
         task = self._running.get(cancel.reply_to)
         if task is not None:
+            task.cancel()
+
+    def _router_lost(self, address: str) -> None:
+        """The router at `address` is gone: nobody reads its legs' tokens, so their engine requests stop."""
+        gone = [task for reply_to, task in self._running.items() if reply_to.address == address]
+        if gone:
+            log.warning("cancelling %d legs of the router at %s: it is gone", len(gone), address)
+        for task in gone:
             task.cancel()
 
     def _ended(self, reply_to: ReplyTo, task: asyncio.Task[Any]) -> None:

@@ -5,6 +5,11 @@ Every batch a request produces is queued on its router's channel, and the channe
 frame at the end of the event-loop turn: vLLM hands a step's outputs to every request at once, so one frame
 carries the step's tokens for all of that router's requests. A leg's LegEnd (engine/leg_server.py) follows its
 last batch on the same channel, so it never overtakes them.
+
+A router that goes away (its process died, or it stopped answering ZMQ's heartbeats) is given up once its
+channel has been closed, or has not opened, for ROUTER_GONE_S: whoever asked (`on_router_lost`: the leg
+server) then cancels its legs, which aborts their engine requests and frees their KV, instead of generating
+for nobody until max_tokens, or waiting forever on a full channel.
 """
 
 from __future__ import annotations
@@ -13,10 +18,11 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import msgspec
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from engine.messages import LegEnd, ReplyTo, TokenBatch, TokenFrame, TokenItem
 
@@ -28,12 +34,17 @@ BACKLOG_ITEMS = 4096
 RETRY_S = 0.005
 # Frames ZMQ buffers per channel before a send would block.
 SEND_HWM = 1000
+# A channel closed, or not open, this long: its router is gone.
+ROUTER_GONE_S = 3.0
+# ZMQ heartbeats on each channel: a router silent for HEARTBEAT_TIMEOUT_MS is disconnected (then the above).
+HEARTBEAT_IVL_MS = 1000
+HEARTBEAT_TIMEOUT_MS = 5000
 
 
 class _Channel:
     """One router's channel: a PUSH socket and what is queued for the next frame."""
 
-    def __init__(self, sock: zmq.Socket[bytes], address: str) -> None:
+    def __init__(self, sock: zmq.Socket[bytes], address: str, on_gone: Callable[[_Channel], None]) -> None:
         self._sock = sock
         self.address = address
         self._items: list[TokenItem | LegEnd] = []
@@ -41,6 +52,35 @@ class _Channel:
         self._stalled_since: float | None = None
         self._drained: asyncio.Future[None] | None = None
         self._encoder = msgspec.msgpack.Encoder()
+        self._on_gone = on_gone
+        self._loop = asyncio.get_running_loop()
+        self._connected = False
+        self._check: asyncio.TimerHandle | None = None
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self._monitor_fd = int(self._monitor.getsockopt(zmq.FD))
+        self._loop.add_reader(self._monitor_fd, self._on_event)
+        self._on_event()  # ZMQ's descriptor signals only once the socket was read
+        self._watch()
+
+    def _on_event(self) -> None:
+        while not self._monitor.closed:
+            try:
+                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._connected = event["event"] == zmq.EVENT_CONNECTED
+            if not self._connected:
+                self._watch()
+
+    def _watch(self) -> None:
+        if self._check is None:
+            self._check = self._loop.call_later(ROUTER_GONE_S, self._checked)
+
+    def _checked(self) -> None:
+        self._check = None
+        if not self._connected and not self._sock.closed:
+            log.warning("token channel to %s: closed or not open for %.0f s", self.address, ROUTER_GONE_S)
+            self._on_gone(self)
 
     def put(self, item: TokenItem | LegEnd) -> None:
         self._items.append(item)
@@ -90,6 +130,14 @@ class _Channel:
             self._drained = None
 
     def close(self, linger_ms: int) -> None:
+        if self._check is not None:
+            self._check.cancel()
+            self._check = None
+        if not self._monitor.closed:
+            if not self._loop.is_closed():
+                self._loop.remove_reader(self._monitor_fd)
+            self._sock.disable_monitor()
+            self._monitor.close(linger=0)
         self._sock.close(linger=linger_ms)
 
 
@@ -99,6 +147,11 @@ class TokenSender:
     def __init__(self, context: zmq.Context[zmq.Socket[bytes]] | None = None) -> None:
         self._ctx = context or zmq.Context.instance()
         self._channels: dict[str, _Channel] = {}
+        self._lost_callbacks: list[Callable[[str], None]] = []
+
+    def on_router_lost(self, callback: Callable[[str], None]) -> None:
+        """`callback(address)` once the router at `address` is gone (its channel is closed then)."""
+        self._lost_callbacks.append(callback)
 
     async def stream(self, reply_to: ReplyTo, batches: AsyncIterator[TokenBatch]) -> int:
         """Send `batches` to the router leg `reply_to`, numbered from 0; how many were sent. Ends (and the
@@ -123,10 +176,19 @@ class TokenSender:
         sock.setsockopt(zmq.SNDHWM, SEND_HWM)
         # Sends to a router not yet (or no longer) connected queue instead of being dropped.
         sock.setsockopt(zmq.IMMEDIATE, 0)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        channel = self._channels[address] = _Channel(sock, address, self._gone)
         sock.connect(address)
-        channel = self._channels[address] = _Channel(sock, address)
         log.info("token channel to %s opened", address)
         return channel
+
+    def _gone(self, channel: _Channel) -> None:
+        if self._channels.get(channel.address) is channel:
+            del self._channels[channel.address]  # a later leg from that address opens a new channel
+        channel.close(linger_ms=0)
+        for callback in self._lost_callbacks:
+            callback(channel.address)
 
     async def flush(self, timeout_s: float) -> None:
         """Wait (up to `timeout_s`) until every channel has handed what it holds to ZMQ."""
