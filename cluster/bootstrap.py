@@ -263,6 +263,27 @@ def wait_until_running(
     )
 
 
+def wait_until_serving(metrics_url: str, timeout_s: float) -> None:
+    """Wait until the router reports that it can serve (`pdserve_serving 1`: it sees a decode replica that
+    takes requests; its gRPC health says SERVING then). The application runs once every constructor
+    returned, but the router learns of the engines from the registry, which it reads every second."""
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    last = "no answer yet"
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(metrics_url, timeout=5) as response:
+                text = response.read().decode()
+            if re.search(r"^pdserve_serving 1(\.0)?$", text, re.MULTILINE):
+                return
+            last = "it sees no decode replica that can serve"
+        except OSError as exc:
+            last = f"{metrics_url}: {exc}"
+        time.sleep(0.25)
+    raise BootstrapError(f"the router does not serve after {timeout_s:.0f} s: {last}")
+
+
 def _serve_details(dashboard_url: str) -> dict[str, Any]:
     from ray.dashboard.modules.serve.sdk import ServeSubmissionClient
 

@@ -202,6 +202,7 @@ def _up(args: argparse.Namespace) -> int:
         process_alive,
         start_local_head,
         wait_until_running,
+        wait_until_serving,
     )
     from cluster.ray_auth import RayAuthError, ensure_ray_token, token_path, use_ray_token_auth
     from cluster.serve_config import compile_serve_config
@@ -264,9 +265,10 @@ def _up(args: argparse.Namespace) -> int:
         deploy(compile_serve_config(topo, app_name=APP_NAME, serve_router=True), dashboard)
         # RUNNING: every replica's constructor returned, the router's once its endpoint accepts calls.
         wait_until_running(APP_NAME, topo.ray.placement_timeout_s, dashboard_url=dashboard, progress=log.info)
+        metrics_url = f"http://{topo.server.metrics_host}:{topo.server.metrics_port}/metrics"
+        wait_until_serving(metrics_url, topo.ray.placement_timeout_s)
         log.info("cluster ready in %.1f s", time.monotonic() - started)
         grpc_address = f"{topo.server.grpc_host}:{topo.server.grpc_port}"
-        metrics_url = f"http://{topo.server.metrics_host}:{topo.server.metrics_port}/metrics"
         http = (
             f", OpenAI HTTP http://{topo.server.http_host}:{topo.server.http_port}/v1"
             if topo.server.http_port

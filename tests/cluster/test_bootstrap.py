@@ -129,3 +129,41 @@ def test_deploy_progress_names_each_starting_replica_its_age_and_what_it_waits_f
     assert "Serve status unavailable (TimeoutError: slow)" in deploy_progress(
         {"error": "TimeoutError: slow"}, "pdserve", 3, now
     )
+
+
+def test_up_waits_until_the_router_says_it_can_serve() -> None:
+    """The application runs before the router has read the engines from the registry (every second):
+    `pdserve up` says it is up only once the router's `pdserve_serving` gauge is 1."""
+    import http.server
+    import threading
+
+    import pytest
+
+    from cluster.bootstrap import BootstrapError, wait_until_serving
+
+    answers = iter(["pdserve_serving 0.0\n", "pdserve_serving 0.0\n"])
+    seen: list[str] = []
+
+    class Metrics(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = next(answers, "# HELP pdserve_serving ...\npdserve_serving 1.0\n")
+            seen.append(body)
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body.encode())
+
+        def log_message(self, *args: object) -> None:
+            return
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}/metrics"
+    try:
+        wait_until_serving(url, timeout_s=10)
+        assert len(seen) == 3  # twice not yet, then serving
+        answers = iter(["pdserve_serving 0.0\n"] * 100)
+        with pytest.raises(BootstrapError, match="it sees no decode replica that can serve"):
+            wait_until_serving(url, timeout_s=1)
+    finally:
+        server.shutdown()
+        server.server_close()
