@@ -365,7 +365,9 @@ class PdserveClient:
             if stream.needs_prompt_ids():
                 with _grpc_errors():
                     tokenized = self._stub.Tokenize(
-                        stream.tokenize_request(), metadata=self._options.metadata, timeout=RECONNECT_S
+                        stream.tokenize_request(),
+                        metadata=self._options.metadata,
+                        timeout=stream.reconnect_left_s(),
                     )
                 prompt_ids = list(tokenized.token_ids)
             request = stream.continue_with(prompt_ids, lost)
@@ -497,7 +499,9 @@ class AsyncPdserveClient:
             if stream.needs_prompt_ids():
                 with _grpc_errors():
                     tokenized = await self._stub.Tokenize(
-                        stream.tokenize_request(), metadata=self._options.metadata, timeout=RECONNECT_S
+                        stream.tokenize_request(),
+                        metadata=self._options.metadata,
+                        timeout=stream.reconnect_left_s(),
                     )
                 prompt_ids = list(tokenized.token_ids)
             request = stream.continue_with(prompt_ids, lost)
