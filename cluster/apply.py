@@ -124,9 +124,10 @@ def _unwrap_struct(info: Any) -> Any:
             return info if isinstance(info, msgspec.inspect.StructType) else None
 
 
-def plan_actions(old: Topology, new: Topology) -> list[DeploymentAction]:
-    """What Serve will do with each deployment, read from the two compiled Serve configs."""
-    before, after = _deployments(old), _deployments(new)
+def plan_actions(old: Topology, new: Topology, *, serve_router: bool = False) -> list[DeploymentAction]:
+    """What Serve will do with each deployment, read from the two compiled Serve configs (`serve_router`: of
+    an application that runs its own routers)."""
+    before, after = _deployments(old, serve_router), _deployments(new, serve_router)
     actions = []
     for name in [*after, *(n for n in before if n not in after)]:
         a, b = before.get(name), after.get(name)
@@ -197,7 +198,9 @@ async def apply_topology(
             "these changes need a restart of pdserve (`pdserve down` then `pdserve up`):\n  "
             + "\n  ".join(refused)
         )
-    actions = plan_actions(old, new)
+    # The same application shape as deployed: one that runs its own router keeps it.
+    own_router = serves_router(app["deployed_app_config"])
+    actions = plan_actions(old, new, serve_router=own_router)
     out("plan:")
     for action in actions:
         out(f"  {action}")
@@ -206,8 +209,6 @@ async def apply_topology(
         return ApplyResult(changes=changes, actions=actions, applied=False)
 
     before = set(_replica_states(details, app_name))
-    # The same application shape as deployed: one that runs its own router keeps it.
-    own_router = serves_router(app["deployed_app_config"])
     config = compile_serve_config(new, app_name=app_name, serve_router=own_router)
     started = time.monotonic()
     await asyncio.to_thread(client.deploy_applications, config)
@@ -304,8 +305,8 @@ def _replica_states(details: dict[str, Any], app_name: str) -> dict[str, str]:
     }
 
 
-def _deployments(topo: Topology) -> dict[str, dict[str, Any]]:
-    (app,) = compile_serve_config(topo)["applications"]
+def _deployments(topo: Topology, serve_router: bool) -> dict[str, dict[str, Any]]:
+    (app,) = compile_serve_config(topo, serve_router=serve_router)["applications"]
     return {d["name"]: d for d in app["deployments"]}
 
 

@@ -24,6 +24,7 @@ import psutil
 
 from cluster.ray_auth import use_loopback_ray, use_ray_token_auth
 from cluster.topology import Topology, served_model
+from engine.messages import RouterReport
 
 if TYPE_CHECKING:
     from router.process import RouterProcess
@@ -263,25 +264,27 @@ def wait_until_running(
     )
 
 
-def wait_until_serving(metrics_url: str, timeout_s: float) -> None:
-    """Wait until the router reports that it can serve (`pdserve_serving 1`: it sees a decode replica that
-    takes requests; its gRPC health says SERVING then). The application runs once every constructor
-    returned, but the router learns of the engines from the registry, which it reads every second."""
-    import urllib.request
-
+def wait_until_serving(
+    routers: Callable[[], list[RouterReport]], want: int, timeout_s: float, *, poll_s: float = 0.25
+) -> None:
+    """Wait until `want` routers report that they can serve (`routers()`: the registry's router reports; a
+    router serves once it sees a decode replica that takes requests, and its gRPC health says SERVING
+    then). The application runs once every constructor returned, but a router learns of the engines from
+    the registry, which it reads every second."""
     deadline = time.monotonic() + timeout_s
-    last = "no answer yet"
+    last = "no router has reported yet"
     while time.monotonic() < deadline:
         try:
-            with urllib.request.urlopen(metrics_url, timeout=5) as response:
-                text = response.read().decode()
-            if re.search(r"^pdserve_serving 1(\.0)?$", text, re.MULTILINE):
+            reports = routers()
+        except Exception as exc:  # the registry being (re)started: ask again
+            last = f"the registry did not answer: {exc}"
+        else:
+            serving = sum(1 for r in reports if r.serving)
+            if serving >= want:
                 return
-            last = "it sees no decode replica that can serve"
-        except OSError as exc:
-            last = f"{metrics_url}: {exc}"
-        time.sleep(0.25)
-    raise BootstrapError(f"the router does not serve after {timeout_s:.0f} s: {last}")
+            last = f"{serving} of {want} routers see a decode replica that can serve"
+        time.sleep(poll_s)
+    raise BootstrapError(f"the routers do not serve after {timeout_s:.0f} s: {last}")
 
 
 def _serve_details(dashboard_url: str) -> dict[str, Any]:

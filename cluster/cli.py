@@ -191,6 +191,7 @@ def _export(args: argparse.Namespace) -> int:
 
 def _up(args: argparse.Namespace) -> int:
     import ray
+    from ray import serve
     from ray.exceptions import AuthenticationError
 
     from cluster.bootstrap import (
@@ -205,7 +206,7 @@ def _up(args: argparse.Namespace) -> int:
         wait_until_serving,
     )
     from cluster.ray_auth import RayAuthError, ensure_ray_token, token_path, use_ray_token_auth
-    from cluster.serve_config import compile_serve_config
+    from cluster.serve_config import REGISTRY, compile_serve_config
     from engine.model_source import resolve_model_dir
 
     topo = _local_files(_load(args.file))
@@ -265,8 +266,13 @@ def _up(args: argparse.Namespace) -> int:
         deploy(compile_serve_config(topo, app_name=APP_NAME, serve_router=True), dashboard)
         # RUNNING: every replica's constructor returned, the router's once its endpoint accepts calls.
         wait_until_running(APP_NAME, topo.ray.placement_timeout_s, dashboard_url=dashboard, progress=log.info)
+        registry = serve.get_deployment_handle(REGISTRY, APP_NAME)
+        wait_until_serving(
+            lambda: registry.routers.remote().result(timeout_s=5),
+            topo.server.routers,
+            topo.ray.placement_timeout_s,
+        )
         metrics_url = f"http://{topo.server.metrics_host}:{topo.server.metrics_port}/metrics"
-        wait_until_serving(metrics_url, topo.ray.placement_timeout_s)
         log.info("cluster ready in %.1f s", time.monotonic() - started)
         grpc_address = f"{topo.server.grpc_host}:{topo.server.grpc_port}"
         http = (
@@ -294,7 +300,10 @@ def _check_endpoints(topo: Topology) -> None:
 
     try:
         check_listen("server.grpc_port", topo.server.grpc_host, topo.server.grpc_port)
-        check_listen("server.metrics_port", topo.server.metrics_host, topo.server.metrics_port)
+        # Routers on this node take a metrics port each (router/process.py).
+        span = 1 if topo.server.router_node_labels else topo.server.routers
+        for port in range(topo.server.metrics_port, topo.server.metrics_port + span):
+            check_listen("server.metrics_port", topo.server.metrics_host, port)
         if topo.server.http_port is not None:
             check_listen("server.http_port", topo.server.http_host, topo.server.http_port)
         if topo.ray.address is None:  # we start the Ray head, and with it the dashboard

@@ -1,9 +1,12 @@
 """The replica registry: the Serve application's ingress deployment, where every engine replica publishes
-what the router needs (role, replica id, node, KV-events endpoint, NIXL side channel, readiness).
+what the routers need (role, replica id, node, KV-events endpoint, NIXL side channel, readiness), and where
+the routers meet: each one reports its endpoint and the load it has in flight at every poll (`sync`) and
+reads back the replicas and every other router's report.
 
 Replicas publish on start and then heartbeat; an entry that stops being refreshed (the replica died or
-its node is gone) expires, and a replica withdraws itself on graceful shutdown. The registry holds no
-state that cannot be rebuilt: if Serve restarts it, the next heartbeats repopulate it.
+its node is gone) expires, and a replica withdraws itself on graceful shutdown; so do routers, sooner. The
+registry holds no state that cannot be rebuilt: if Serve restarts it, the next heartbeats and polls
+repopulate it.
 """
 
 from __future__ import annotations
@@ -14,9 +17,11 @@ from typing import Any
 import msgspec
 from ray.serve.handle import DeploymentHandle
 
-from engine.messages import ReplicaInfo
+from engine.messages import ClusterState, ReplicaInfo, RouterReport
 
 EXPIRY_S = 10.0  # 5 missed heartbeats (engine.replica.HEARTBEAT_S)
+# A router polls every second: one not heard from for this long is gone, and its load no longer counts.
+ROUTER_EXPIRY_S = 3.5
 # A slot claimed by a replica that never published (it died while its engine started) is free after this.
 CLAIM_TTL_S = 900.0
 
@@ -31,6 +36,7 @@ class Registry:
         # Per-replica slots (e.g. a CPU engine's cores): replica id -> (role, slot, when claimed).
         self._slots: dict[str, tuple[str, int, float]] = {}
         self._topology: dict[str, Any] | None = None
+        self._routers: dict[str, tuple[RouterReport, float]] = {}
 
     def reconfigure(self, config: dict[str, Any]) -> None:
         """Serve calls this with the deployment's user_config: the deployed topology
@@ -87,6 +93,22 @@ class Registry:
         reused, so the mark stays until the entry goes)."""
         if replica_id in self._entries:
             self._reported.setdefault(replica_id, reason)
+
+    def sync(self, report: RouterReport) -> ClusterState:
+        """A router's poll: its report in, the replicas and every other live router's report out."""
+        self._routers[report.router_id] = (report, time.monotonic())
+        others = [r for r in self.routers() if r.router_id != report.router_id]
+        return ClusterState(replicas=self.snapshot(), routers=others)
+
+    def routers(self) -> list[RouterReport]:
+        """Every live router's last report."""
+        now = time.monotonic()
+        self._routers = {rid: e for rid, e in self._routers.items() if now - e[1] <= ROUTER_EXPIRY_S}
+        return [report for report, _ in self._routers.values()]
+
+    def withdraw_router(self, router_id: str) -> None:
+        """A router stopping: its load no longer counts (it has drained its streams)."""
+        self._routers.pop(router_id, None)
 
     def snapshot(self) -> list[ReplicaInfo]:
         now = time.monotonic()

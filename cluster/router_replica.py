@@ -1,11 +1,15 @@
-"""pdserve's front end as a Serve deployment: the router (router/process.py) inside a replica on the Ray head.
+"""pdserve's front end as a Serve deployment: `server.routers` routers (router/process.py), a Serve replica
+each, on the Ray head or one per node labelled for them.
 
-Every cluster runs its router this way: `pdserve up` deploys it with the engines and only watches the
+Every cluster runs its routers this way: `pdserve up` deploys them with the engines and only watches the
 cluster (its death stops nothing), and a cluster nobody runs `pdserve up` on (a KubeRay RayService, `serve
 deploy` of `pdserve export` on a `ray start` cluster) gets the same application. The topology comes from
-the registry, which holds the deployed one.
-- the replica runs on the head node (Ray's `node:__internal_head__` resource), where the head's Service or
-  port publishes server.grpc_port, and where the TLS files and the token's environment variable are;
+the registry, which holds the deployed one. Each router is a whole front end: the routers of one node share
+the doors' ports (the kernel spreads connections among them), each follows every engine's KV events, and
+they read each other's load in flight at the registry.
+- with no `server.router_node_labels`, the routers run on the head node (Ray's `node:__internal_head__`
+  resource), where the head's Service or port publishes server.grpc_port, and where the TLS files and the
+  token's environment variable are; with them, one per matching node (their pods' Service publishes it);
 - Serve's health check asks whether the endpoint is still serving, so Serve replaces a router whose server
   stopped or whose process died; on shutdown the server drains its streams (router/process.py's grace)
   before the replica exits.
@@ -24,6 +28,7 @@ from ray.serve.handle import DeploymentHandle
 from cluster.bootstrap import router_process
 from cluster.topology import Topology
 from engine.model_source import resolve_model_dir
+from router.config import ServerConfig
 
 log = logging.getLogger(__name__)
 
@@ -33,13 +38,20 @@ ROUTER = "router"  # the deployment's name
 ON_HEAD = {"node:__internal_head__": 0.001}
 
 
-def router_deployment_config() -> dict[str, Any]:
-    """The router's entry in the Serve config: one replica on the head (its gRPC port is fixed)."""
+def router_deployment_config(server: ServerConfig) -> dict[str, Any]:
+    """The router's entry in the Serve config: `server.routers` replicas, on the head (sharing its ports) or
+    one per node matching `server.router_node_labels`."""
+    if server.router_node_labels:
+        placement: dict[str, Any] = {
+            "max_replicas_per_node": 1,  # every router of a node would want the same metrics port
+            "ray_actor_options": {"num_cpus": 0, "label_selector": dict(server.router_node_labels)},
+        }
+    else:
+        placement = {"ray_actor_options": {"num_cpus": 0, "resources": dict(ON_HEAD)}}
     return {
         "name": ROUTER,
-        "num_replicas": 1,
-        "max_replicas_per_node": 1,
-        "ray_actor_options": {"num_cpus": 0, "resources": dict(ON_HEAD)},
+        "num_replicas": server.routers,
+        **placement,
         # Streams in flight get the router's own 10 s grace to finish (RouterProcess.serve_until).
         "graceful_shutdown_timeout_s": 30,
         "health_check_period_s": 5,

@@ -58,7 +58,7 @@ def compile_serve_config(
     ]  # a prefill pool of 0 replicas is left out: decode then prefills everything itself
     deployments.append({"name": REGISTRY, "user_config": {TOPOLOGY_KEY: msgspec.to_builtins(topo)}})
     if serve_router:
-        deployments.append(router_deployment_config())
+        deployments.append(router_deployment_config(topo.server))
     return {
         # pdserve's router serves its own gRPC endpoint (from its replica), so Serve's
         # HTTP/gRPC proxies would only take ports and CPU.

@@ -1,11 +1,13 @@
-"""`pdserve status [--json]`: every engine replica with its role, state, node, GPUs, placement group and load.
+"""`pdserve status [--json]`: every engine replica with its role, state, node, GPUs, placement group and load,
+and every router with its state and the requests it has in flight.
 
 It joins three views, keyed by the names the Ray dashboard shows, so a row can be found in the dashboard's
 Serve and placement-group pages:
 - Serve's application details (REST `GET /api/serve/applications/`): replica id, state, node, and the
   replica actor's name `SERVE_REPLICA::<app>#<deployment>#<replica id>`;
 - Ray's state API (placement groups, named like the replica actor): placement group id, state, GPUs;
-- pdserve's replica registry: readiness, draining, and load (running / waiting requests, KV cache usage).
+- pdserve's replica registry: readiness, draining, and load (running / waiting requests, KV cache usage);
+  for a router, what it reported last: serving or not, and its requests in flight (RUN).
 A replica the registry still lists but Serve no longer has is shown as GONE until its entry expires.
 """
 
@@ -16,17 +18,18 @@ from typing import Any
 
 import msgspec
 
-from engine.messages import ReplicaInfo
+from engine.messages import ReplicaInfo, RouterReport
 
 ENGINE_DEPLOYMENTS = ("prefill", "decode")
-ROUTER_DEPLOYMENT = "router"  # shown by its status only: it publishes nothing to the registry
+ROUTER_DEPLOYMENT = "router"
 
 
 class ReplicaRow(msgspec.Struct, frozen=True, kw_only=True):
     replica_id: str  # Serve's replica id (the dashboard's Serve view)
-    role: str  # the deployment: prefill | decode
+    role: str  # the deployment: prefill | decode | router
     state: str  # Serve's replica state (STARTING, RUNNING, STOPPING, ...) or GONE
-    # ready | starting | draining | missing (not yet / no longer published) | failed: <reason>
+    # ready | starting | draining | missing (not yet / no longer published) | failed: <reason>;
+    # a router: serving | not serving | missing
     registry: str
     node_id: str | None
     node_ip: str | None
@@ -76,6 +79,17 @@ class Published(msgspec.Struct, frozen=True, kw_only=True):
         )
 
     @classmethod
+    def of_router(cls, report: RouterReport | Any) -> Published:
+        """A router's report to the registry (a `RouterReport`, or the router's `pdserve.v1.Router`)."""
+        return cls(
+            replica_id=report.router_id,
+            role=ROUTER_DEPLOYMENT,
+            node_id=report.node_id,
+            registry="serving" if report.serving else "not serving",
+            running=report.inflight_requests,
+        )
+
+    @classmethod
     def of_replica(cls, replica: Any) -> Published:
         """From the router's `pdserve.v1.Replica` (its state READY | STARTING | DRAINING | FAILED)."""
         return cls(
@@ -121,8 +135,6 @@ def build_status(
             continue
         status = str(dep.get("status"))
         deployments[name] = status if status == "HEALTHY" else f"{status}: {dep.get('message') or ''}".strip()
-        if name == ROUTER_DEPLOYMENT:
-            continue
         for replica in dep.get("replicas") or []:
             rid = str(replica.get("replica_id"))
             actor_name = replica.get("actor_name") or f"SERVE_REPLICA::{app_name}#{name}#{rid}"
@@ -137,6 +149,8 @@ def build_status(
                 )
             )
     for info in published.values():  # published, but Serve no longer has it: dead, entry not yet expired
+        if info.role == ROUTER_DEPLOYMENT:
+            continue  # a router's report expires within seconds: nothing to show meanwhile
         rows.append(_row(info.role, info.replica_id, "GONE", {"node_id": info.node_id}, None, info))
     rows.sort(key=lambda r: (r.role, r.state != "RUNNING", r.replica_id))
     return ClusterStatus(
@@ -198,7 +212,8 @@ def fetch_registry(
     handle = serve.get_deployment_handle("registry", app_name)
     logging.getLogger("ray.serve").setLevel(logging.WARNING)
     infos: list[ReplicaInfo] = handle.snapshot.remote().result(timeout_s=timeout_s)
-    return [Published.of_info(info) for info in infos]
+    routers: list[RouterReport] = handle.routers.remote().result(timeout_s=timeout_s)
+    return [Published.of_info(info) for info in infos] + [Published.of_router(r) for r in routers]
 
 
 def registry_through_router(
@@ -226,10 +241,10 @@ def registry_through_router(
         return [], f"the router at {target} wants a token: set {server.auth_token_env}"
     try:
         with PdserveClient(target, token=token, tls=server.tls is not None, timeout=10) as client:
-            replicas = client.cluster_status()
+            replicas, routers = client.cluster_status(), client.routers()
     except PdserveError as exc:
         return [], f"the router at {target} did not answer ({exc.code.name}: {exc.message})"
-    return [Published.of_replica(r) for r in replicas], ""
+    return [Published.of_replica(r) for r in replicas] + [Published.of_router(r) for r in routers], ""
 
 
 def render_json(status: ClusterStatus) -> str:
@@ -268,7 +283,7 @@ def render_table(status: ClusterStatus) -> str:
 
 
 def _cells(r: ReplicaRow) -> tuple[str, ...]:
-    load = "-" if r.running is None else f"{r.running}/{r.waiting}"
+    load = "-" if r.running is None else f"{r.running}/{'-' if r.waiting is None else r.waiting}"
     kv = "-" if r.kv_cache_usage is None else f"{r.kv_cache_usage:.0%}"
     group = "-" if r.placement_group_id is None else f"{r.placement_group_id} ({r.placement_group_state})"
     node = "-" if r.node_id is None else f"{r.node_id[:12]} {r.node_ip or ''}".strip()

@@ -70,6 +70,7 @@ def validate(topo: Topology) -> None:
     _check_server_and_ray(topo.server, topo.ray)
     if topo.nodes is not None:
         _check_inventory(topo.nodes, topo.pools)
+        _check_router_nodes(topo.server, topo.nodes)
 
 
 def _check_model(topo: Topology) -> None:
@@ -292,17 +293,26 @@ def _check_pools_together(pools: Pools) -> None:
 
 def _check_server_and_ray(server: ServerConfig, ray: RayCluster) -> None:
     ports: dict[int, str] = {}
+    # Routers sharing a node take a metrics port each, from server.metrics_port up.
+    shared_node = server.routers if not server.router_node_labels else 1
+    metrics = [("server.metrics_port", server.metrics_port + i) for i in range(shared_node)]
     for path, port in (
         ("server.grpc_port", server.grpc_port),
         ("server.http_port", server.http_port),
-        ("server.metrics_port", server.metrics_port),
+        *metrics,
         ("ray.dashboard_port", ray.dashboard_port),
     ):
         if port is None:
             continue
+        if port > 65535:
+            raise TopologyError(path, f"{shared_node} routers on one node need ports up to {port}")
         if port in ports:
-            raise TopologyError(path, f"port {port} is already taken by {ports[port]}")
+            taken = f"port {port}" + (
+                f" (router {port - server.metrics_port + 1}'s)" if shared_node > 1 else ""
+            )
+            raise TopologyError(path, f"{taken} is already taken by {ports[port]}")
         ports[port] = path
+    _check_labels("server.router_node_labels", server.router_node_labels, selector=True)
     if server.auth_token_env is not None and not _ENV_VAR_NAME.match(server.auth_token_env):
         raise TopologyError(
             "server.auth_token_env",
@@ -403,6 +413,19 @@ def _check_inventory(groups: list[NodeGroup], pools: Pools) -> None:
                     f"{_format_labels(pool.node_labels)}: only {n} fit after placing {others}",
                 )
         placed[role] = pool.replicas
+
+
+def _check_router_nodes(server: ServerConfig, groups: list[NodeGroup]) -> None:
+    """Routers with node labels run one per matching node: the inventory must have enough such nodes."""
+    if not server.router_node_labels:
+        return
+    labelled = _format_labels(server.router_node_labels)
+    nodes = sum(g.count for g in groups if selector_matches(server.router_node_labels, g.labels))
+    if nodes < server.routers:
+        raise TopologyError(
+            "server.routers",
+            f"{server.routers} routers run one per node labelled {labelled}; nodes has {nodes} such node(s)",
+        )
 
 
 def _check_replica_fits(at: str, pool: Pool, groups: list[NodeGroup]) -> None:

@@ -253,3 +253,36 @@ class ReplicaFailed(Exception):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (ReplicaFailed, (self.replica_id, self.reason))
+
+
+class DispatchedLoad(msgspec.Struct, frozen=True, array_like=True):
+    """The work one router dispatched to one replica and that has not ended (router/view/load.py counts it at
+    dispatch): what the other routers add to their own count of that replica."""
+
+    queued_prefill_tokens: int = 0
+    queued_prefill_requests: int = 0
+    queued_prefill_s: float = 0.0
+    active_seqs: int = 0
+    active_context_tokens: int = 0
+
+
+class RouterReport(msgspec.Struct, frozen=True, kw_only=True):
+    """What a router tells the registry at every poll (cluster/registry.py): who it is, where it serves, and
+    the load it has in flight, which every other router adds to its own picture of the replicas."""
+
+    router_id: str
+    node_id: str = ""
+    grpc_address: str = ""  # host:port of its gRPC door
+    metrics_address: str = ""  # host:port of its /metrics
+    serving: bool = False  # what its gRPC health says
+    inflight_requests: int = 0
+    # Prompt tokens of the requests it admitted and that have not ended (admission counts the cluster's).
+    admitted_tokens: int = 0
+    replicas: dict[str, DispatchedLoad] = {}
+
+
+class ClusterState(msgspec.Struct, frozen=True, kw_only=True):
+    """What a router reads back at every poll: the replicas, and every other live router's report."""
+
+    replicas: list[ReplicaInfo]
+    routers: list[RouterReport] = []

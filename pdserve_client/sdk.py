@@ -411,13 +411,20 @@ class PdserveClient:
         return list(response.models)
 
     def cluster_status(self, *, timeout: float | None = None) -> list[pb.Replica]:
+        return list(self._status(timeout).replicas)
+
+    def routers(self, *, timeout: float | None = None) -> list[pb.Router]:
+        """The cluster's routers; `answering` marks the one this client's calls reach now."""
+        return list(self._status(timeout).routers)
+
+    def _status(self, timeout: float | None) -> pb.GetClusterStatusResponse:
         with _grpc_errors():
-            response = self._stub.GetClusterStatus(
+            response: pb.GetClusterStatusResponse = self._stub.GetClusterStatus(
                 pb.GetClusterStatusRequest(),
                 metadata=self._options.metadata,
                 timeout=self._options.deadline(timeout),
             )
-        return list(response.replicas)
+        return response
 
     def health(self, service: str = "", *, timeout: float | None = None) -> str:
         """The standard grpc.health.v1 status of `service` ("" = the whole server), e.g. "SERVING"."""
@@ -550,13 +557,20 @@ class AsyncPdserveClient:
         return list(response.models)
 
     async def cluster_status(self, *, timeout: float | None = None) -> list[pb.Replica]:  # noqa: ASYNC109
+        return list((await self._status(timeout)).replicas)
+
+    async def routers(self, *, timeout: float | None = None) -> list[pb.Router]:  # noqa: ASYNC109
+        """The cluster's routers; `answering` marks the one this client's calls reach now."""
+        return list((await self._status(timeout)).routers)
+
+    async def _status(self, timeout: float | None) -> pb.GetClusterStatusResponse:  # noqa: ASYNC109
         with _grpc_errors():
-            response = await self._stub.GetClusterStatus(
+            response: pb.GetClusterStatusResponse = await self._stub.GetClusterStatus(
                 pb.GetClusterStatusRequest(),
                 metadata=self._options.metadata,
                 timeout=self._options.deadline(timeout),
             )
-        return list(response.replicas)
+        return response
 
     async def health(self, service: str = "", *, timeout: float | None = None) -> str:  # noqa: ASYNC109
         """The standard grpc.health.v1 status of `service` ("" = the whole server), e.g. "SERVING"."""

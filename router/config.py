@@ -86,9 +86,23 @@ class TlsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     key_file: str
 
 
-class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """The topology's `server`: where the router listens (read once: changing it restarts pdserve)."""
+# `pdserve apply` changes this field on a running cluster (the deepest mark on a field's path wins over the
+# `server` section's restart mark: cluster/apply.py): Serve scales the router deployment.
+_LIVE = {"apply": "live"}
 
+
+class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The topology's `server`: where the routers listen (read once: changing it restarts pdserve, except
+    `routers`)."""
+
+    # Router replicas (Serve replicas of the `router` deployment), each a whole front end: both doors, its
+    # own picture of the cluster from every engine's KV events, the load the others report. Routers on one
+    # node share the doors' ports (SO_REUSEPORT: the kernel spreads connections); a router that dies is
+    # replaced by Serve while the others serve, and the SDK continues its streams on another.
+    routers: Annotated[int, msgspec.Meta(ge=1, extra=_LIVE)] = 1
+    # Where the routers run: {} on the Ray head; else a Ray label selector (as pools.*.node_labels), one
+    # router per matching node (`pdserve export` gives them a node group and a Service of their own).
+    router_node_labels: dict[str, str] = {}
     grpc_host: str = "127.0.0.1"
     grpc_port: Port = 50051
     # The OpenAI-compatible HTTP door (router/doors/openai_http.py): off unless a port is set. Same TLS
@@ -96,6 +110,7 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     http_host: str = "127.0.0.1"
     http_port: Port | None = None
     metrics_host: str = "127.0.0.1"
+    # Several routers on one node: each takes the first free port from this one up.
     metrics_port: Port = 9400
     tls: TlsConfig | None = None
     auth_token_env: str | None = None  # the NAME of an env var holding the token, never the token itself

@@ -18,8 +18,9 @@ from typing import Any
 import msgspec
 from grpc_health.v1.health_pb2 import HealthCheckResponse
 from ray import serve
+from ray.serve.exceptions import RayServeException
 
-from engine.messages import ReplicaInfo
+from engine.messages import ReplicaInfo, RouterReport
 from engine.tracing import otlp_tracer
 from pdserve_client.api import pdserve_pb2 as pb
 from router.config import LiveConfig, RouterConfig, ServedModel, ServerConfig
@@ -74,8 +75,14 @@ class RouterProcess:
         self.sessions = Sessions.of(router)
         self.policy = PdservePolicy(router, sessions=self.sessions)
         self.view = ClusterView(
-            self._registry, block_size=model.block_size, timing=self.policy.weights.timing
+            self._registry,
+            block_size=model.block_size,
+            timing=self.policy.weights.timing,
+            router_id=_replica_id(),
         )
+        self.view.report = self._report
+        self._node_id = _node_id()
+        self._metrics_address = ""  # where /metrics listens, once it does
         self.metrics.watch(model.name, lambda: self.view.replicas, self.view.load)
         # Read secrets and certificates now, not on the event loop; the token's value is never logged.
         self._tls = None
@@ -176,26 +183,46 @@ class RouterProcess:
         self.metrics.serving.set(1 if now else 0)
         self._serving = now
 
-    async def cluster_status(self) -> list[pb.Replica]:
+    def _report(self) -> RouterReport:
+        """What this router tells the registry at each poll: its endpoint and its load in flight."""
+        server = self.server
+        return RouterReport(
+            router_id=self.view.router_id,
+            node_id=self._node_id,
+            grpc_address=f"{server.grpc_host}:{server.grpc_port}",
+            metrics_address=self._metrics_address,
+            serving=bool(self._serving),
+            inflight_requests=self.view.load.inflight(),
+            admitted_tokens=self.decider.admitted_tokens,
+            replicas=self.view.load.dispatched(),
+        )
+
+    async def cluster_status(self) -> pb.GetClusterStatusResponse:
         """The registry's replicas (their latest stats), in the state this router sees them: READY only once
-        it routes to them (its view polls the registry every second), FAILED as soon as it saw one fail."""
-        infos: list[ReplicaInfo] = await self._registry.snapshot.remote()
+        it routes to them (its view polls the registry every second), FAILED as soon as it saw one fail;
+        and every live router, this one marked as the one answering."""
+        infos: list[ReplicaInfo]
+        routers: list[RouterReport]
+        infos, routers = await asyncio.gather(
+            self._registry.snapshot.remote(), self._registry.routers.remote()
+        )
         known, failed = self.view.replicas, set(self.view.failed_ids())
-        return [
-            _replica_status(i, routed=i.replica_id in known, failed=i.replica_id in failed) for i in infos
-        ]
+        me = self.view.router_id
+        if me not in {r.router_id for r in routers}:
+            routers = [self._report(), *routers]  # not yet reported (its first poll is under way)
+        return pb.GetClusterStatusResponse(
+            replicas=[
+                _replica_status(i, routed=i.replica_id in known, failed=i.replica_id in failed) for i in infos
+            ],
+            routers=[_router_status(r, answering=r.router_id == me) for r in routers],
+        )
 
     async def serve_until(self, stop: asyncio.Event, on_ready: Callable[[], None] = lambda: None) -> None:
         cfg = self.server
         await self.view.refresh()
         view_task = asyncio.create_task(self.view.run(), name="cluster-view")
         config_task = asyncio.create_task(self._follow_config(), name="router-config")
-        try:
-            self.metrics.serve(cfg.metrics_host, cfg.metrics_port)
-        except OSError as exc:
-            raise ListenError(
-                "server.metrics_port", f"{cfg.metrics_host}:{cfg.metrics_port}", exc.strerror or str(exc)
-            ) from exc
+        self._metrics_address = self._serve_metrics()
         server, health = await start_grpc_server(
             self.service, host=cfg.grpc_host, port=cfg.grpc_port, tls=self._tls, auth_token=self._token
         )
@@ -217,6 +244,32 @@ class RouterProcess:
             config_task.cancel()
             self.leg_channel.close()
             self.tokens.close()
+            await self._withdraw()
+
+    def _serve_metrics(self) -> str:
+        """Serve /metrics on the first free port of this node's routers' (`server.metrics_port` up: routers
+        sharing a node take one each); its host:port."""
+        cfg = self.server
+        span = 1 if cfg.router_node_labels else cfg.routers
+        error: OSError | None = None
+        for port in range(cfg.metrics_port, cfg.metrics_port + span):
+            try:
+                self.metrics.serve(cfg.metrics_host, port)
+            except OSError as exc:
+                error = exc
+                continue
+            return f"{cfg.metrics_host}:{port}"
+        assert error is not None
+        last = cfg.metrics_port + span - 1
+        ports = f"{cfg.metrics_port}" if span == 1 else f"{cfg.metrics_port}-{last}"
+        raise ListenError("server.metrics_port", f"{cfg.metrics_host}:{ports}", error.strerror or str(error))
+
+    async def _withdraw(self) -> None:
+        """Leave the registry's routers: the others stop counting this one's load at once."""
+        try:
+            await self._registry.withdraw_router.remote(self.view.router_id)
+        except Exception as exc:  # the registry away: the entry expires on its own within seconds
+            log.warning("could not withdraw router %s from the registry: %s", self.view.router_id, exc)
 
     async def _start_http(self) -> HttpServer:
         cfg = self.server
@@ -237,9 +290,35 @@ class RouterProcess:
         return server
 
 
+def _replica_id() -> str | None:
+    """This router's Serve replica id (None outside a Serve replica: a random one is drawn)."""
+    try:
+        return str(serve.get_replica_context().replica_id.unique_id)
+    except RayServeException:
+        return None
+
+
+def _node_id() -> str:
+    import ray
+
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+
+
 def _changed(old: RouterConfig, new: RouterConfig) -> str:
     a, b = msgspec.to_builtins(old), msgspec.to_builtins(new)
     return ", ".join(f"{k}: {a[k]} -> {b[k]}" for k in b if a.get(k) != b[k]) or "none"
+
+
+def _router_status(report: RouterReport, *, answering: bool) -> pb.Router:
+    return pb.Router(
+        router_id=report.router_id,
+        node_id=report.node_id,
+        grpc_address=report.grpc_address,
+        metrics_address=report.metrics_address,
+        serving=report.serving,
+        inflight_requests=report.inflight_requests,
+        answering=answering,
+    )
 
 
 def _replica_status(info: ReplicaInfo, *, routed: bool = True, failed: bool = False) -> pb.Replica:

@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2
 from ports import free_port
 from replicas import replica_info
 
-from engine.messages import EngineRequest, ReplicaInfo, TokenBatch
+from engine.messages import ClusterState, EngineRequest, ReplicaInfo, RouterReport, TokenBatch
 from engine.tiny_model import ensure_tiny_model
 from pdserve_client.api import pdserve_pb2 as pb
 from router.config import LiveConfig
@@ -38,8 +38,9 @@ from router.view.cluster_view import ClusterView
 
 
 class StandInRegistry:
-    """The registry's snapshot lists `entries` (default: one decode replica, D1); a test may change them
-    between polls."""
+    """The registry's snapshot lists `entries` (default: one decode replica, D1), and a poll also reads back
+    `routers` (the other routers' reports); a test may change both between polls. `reports`: what the
+    router reported at each poll."""
 
     class _Call:
         def __init__(self, answer: Any) -> None:
@@ -47,14 +48,22 @@ class StandInRegistry:
 
         def remote(self, *args: Any) -> Any:
             async def answer() -> Any:
-                return self._answer()
+                return self._answer(*args)
 
             return answer()
 
     def __init__(self, entries: list[ReplicaInfo] | None = None) -> None:
         self.entries = [replica_info("D1")] if entries is None else entries
+        self.routers: list[RouterReport] = []
+        self.reports: list[RouterReport] = []
         self.snapshot = self._Call(lambda: list(self.entries))
-        self.report_failed = self._Call(lambda: None)
+        self.sync = self._Call(self._sync)
+        self.report_failed = self._Call(lambda *_: None)
+        self.withdraw_router = self._Call(lambda *_: None)
+
+    def _sync(self, report: RouterReport) -> ClusterState:
+        self.reports.append(report)
+        return ClusterState(replicas=list(self.entries), routers=list(self.routers))
 
 
 async def listed_view(registry: StandInRegistry | None = None) -> ClusterView:
@@ -91,8 +100,8 @@ def _decode_pool(
     return StandInLegs(batches)
 
 
-async def _no_replicas() -> list[pb.Replica]:
-    return []
+async def _no_replicas() -> pb.GetClusterStatusResponse:
+    return pb.GetClusterStatusResponse()
 
 
 def generate_path(

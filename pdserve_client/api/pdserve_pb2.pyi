@@ -348,8 +348,28 @@ class Replica(_message.Message):
     requests_finished: int
     def __init__(self, replica_id: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[str] = ..., node_id: _Optional[str] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prompt_tokens_computed: _Optional[int] = ..., prompt_tokens_local_cache_hit: _Optional[int] = ..., prompt_tokens_external_kv: _Optional[int] = ..., nixl_bytes_transferred: _Optional[int] = ..., requests_finished: _Optional[int] = ...) -> None: ...
 
+class Router(_message.Message):
+    __slots__ = ("router_id", "node_id", "grpc_address", "metrics_address", "serving", "inflight_requests", "answering")
+    ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SERVING_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    ANSWERING_FIELD_NUMBER: _ClassVar[int]
+    router_id: str
+    node_id: str
+    grpc_address: str
+    metrics_address: str
+    serving: bool
+    inflight_requests: int
+    answering: bool
+    def __init__(self, router_id: _Optional[str] = ..., node_id: _Optional[str] = ..., grpc_address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., serving: _Optional[bool] = ..., inflight_requests: _Optional[int] = ..., answering: _Optional[bool] = ...) -> None: ...
+
 class GetClusterStatusResponse(_message.Message):
-    __slots__ = ("replicas",)
+    __slots__ = ("replicas", "routers")
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    ROUTERS_FIELD_NUMBER: _ClassVar[int]
     replicas: _containers.RepeatedCompositeFieldContainer[Replica]
-    def __init__(self, replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ...) -> None: ...
+    routers: _containers.RepeatedCompositeFieldContainer[Router]
+    def __init__(self, replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ..., routers: _Optional[_Iterable[_Union[Router, _Mapping]]] = ...) -> None: ...

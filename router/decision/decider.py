@@ -69,10 +69,11 @@ class Decider:
         """`reuse`: which of the prompt's ids were copied from the session's previous prompt (by the chat
         encoder or the token-id sessions)."""
         limit = self._config.current.overload_queue_tokens
-        if self._admitted and self._admitted_tokens + len(prompt) > limit:
+        # The limit is the cluster's: the other routers' admitted tokens count, as they last reported them.
+        in_flight = self._admitted_tokens + self._view.peer_admitted_tokens
+        if in_flight and in_flight + len(prompt) > limit:
             raise Overloaded(
-                f"cluster overloaded: {self._admitted_tokens} prompt tokens in flight "
-                f"(limit {limit}); retry later"
+                f"cluster overloaded: {in_flight} prompt tokens in flight (limit {limit}); retry later"
             )
         pulls = self._pulls
         offer = None if pulls is None else pulls.offer(session_id, prompt, reuse)
@@ -120,6 +121,11 @@ class Decider:
             terms=d.terms,
             avoid=self._view.failed_ids(),
         )
+
+    @property
+    def admitted_tokens(self) -> int:
+        """Prompt tokens of this router's requests in flight (admission counts them; the others add them)."""
+        return self._admitted_tokens
 
     def _admit(self, request_id: str, tokens: int, req: RouteRequest | None, d: Decision | None) -> None:
         self._admitted[request_id] = _Admitted(tokens, req, d)

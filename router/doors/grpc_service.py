@@ -55,7 +55,7 @@ class PdserveService(pb_grpc.PdserveServicer):
         path: GeneratePath,
         *,
         block_size: int,
-        cluster_status: Callable[[], Awaitable[list[pb.Replica]]],
+        cluster_status: Callable[[], Awaitable[pb.GetClusterStatusResponse]],
     ) -> None:
         self._path = path
         self._intake = path.intake
@@ -97,10 +97,10 @@ class PdserveService(pb_grpc.PdserveServicer):
         self, request: pb.GetClusterStatusRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetClusterStatusResponse:
         try:
-            replicas = await self._cluster_status()
+            status = await self._cluster_status()
         except Exception as exc:
             await _abort_internal(context, "GetClusterStatus", exc)
-        return pb.GetClusterStatusResponse(replicas=replicas)
+        return status
 
 
 async def _abort_internal(context: grpc.aio.ServicerContext, method: str, exc: Exception) -> None:
@@ -254,9 +254,10 @@ async def start_grpc_server(
     auth_token: str | None = None,
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
     interceptors = [_TokenAuth(BearerToken(auth_token))] if auth_token else []
-    # gRPC sets SO_REUSEPORT by default: a second server on the same port would then bind too and silently
-    # take half of the connections. Off, it fails to bind instead.
-    options = [("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", MAX_REQUEST_BYTES)]
+    # SO_REUSEPORT (gRPC's default on Linux): the routers on one node share the port and the kernel spreads
+    # connections among them. Only sockets of the same user that all set it can share a port; `pdserve up`
+    # checks the port is free before it starts a cluster (cluster/cli.py), so no stranger's server shares it.
+    options = [("grpc.so_reuseport", 1), ("grpc.max_receive_message_length", MAX_REQUEST_BYTES)]
     server = grpc.aio.server(interceptors=interceptors, options=options)
     add_pdserve_service(service, server)
     health_servicer = health.aio.HealthServicer()

@@ -222,7 +222,7 @@ class HttpServer:
 
     async def start(self) -> None:
         host, port = self._address
-        sock = bind("server.http_port", host, port)
+        sock = bind("server.http_port", host, port, shared=True)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="openai-http")
         while not self._server.started:
             if self._task.done():

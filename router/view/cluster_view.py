@@ -4,16 +4,20 @@
 - What KV blocks each replica holds comes from its engine's KV events (one subscriber per replica,
   feeding the KV index); a replica that leaves the registry is dropped from the index.
 - Load is counted by the router at dispatch (router/view/load.py); the engines' own KV-cache usage, from the
-  registry's heartbeat stats, refreshes it.
+  registry's heartbeat stats, refreshes it. Several routers: each poll also reports this router's load in
+  flight (a `RouterReport`) and reads back the other routers', which the load adds to its own, and which
+  admission counts (`peer_admitted_tokens`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
+from collections.abc import Callable
 from typing import Any
 
-from engine.messages import ReplicaInfo
+from engine.messages import ClusterState, ReplicaInfo, RouterReport
 from router.service_time import ServiceTimeModel
 from router.view.kv_events import KvEventSubscriber
 from router.view.kv_index import KvIndex
@@ -24,13 +28,26 @@ log = logging.getLogger(__name__)
 
 class ClusterView:
     def __init__(
-        self, registry: Any, *, block_size: int, timing: ServiceTimeModel | None = None, poll_s: float = 1.0
+        self,
+        registry: Any,
+        *,
+        block_size: int,
+        timing: ServiceTimeModel | None = None,
+        poll_s: float = 1.0,
+        router_id: str | None = None,
     ) -> None:
-        """`registry`: a Serve deployment handle to the registry (anything with `.snapshot.remote()`)."""
+        """`registry`: a Serve deployment handle to the registry (anything with `.sync.remote(report)`).
+        `router_id`: this router's name among the routers (default: a random one)."""
         self._registry = registry
         self._poll_s = poll_s
+        self.router_id = router_id or uuid.uuid4().hex[:12]
         self.index = KvIndex(block_size)
         self.load = LoadTracker(timing)
+        # What this router reports at each poll (the router process adds its endpoints and admission).
+        self.report: Callable[[], RouterReport] = lambda: RouterReport(
+            router_id=self.router_id, replicas=self.load.dispatched()
+        )
+        self.peers: list[RouterReport] = []  # the other routers, as they last reported
         self._known: dict[str, ReplicaInfo] = {}
         self._subscribers: dict[str, asyncio.Task[None]] = {}
         # Replicas this router saw fail, before the registry says so (replica ids are never reused).
@@ -51,7 +68,7 @@ class ClusterView:
         try:
             while True:
                 try:
-                    self.sync(await self._registry.snapshot.remote())
+                    await self.refresh()
                 except Exception as exc:
                     log.warning("registry poll failed (keeping the last view): %s", exc)
                 await asyncio.sleep(self._poll_s)
@@ -61,7 +78,15 @@ class ClusterView:
 
     async def refresh(self) -> None:
         """One poll now (used at start-up, so the first request already sees the replicas)."""
-        self.sync(await self._registry.snapshot.remote())
+        state: ClusterState = await self._registry.sync.remote(self.report())
+        self.sync(state.replicas)
+        self.peers = [r for r in state.routers if r.router_id != self.router_id]
+        self.load.set_peers([r.replicas for r in self.peers])
+
+    @property
+    def peer_admitted_tokens(self) -> int:
+        """Prompt tokens the other routers have admitted and not finished, as they last reported."""
+        return sum(r.admitted_tokens for r in self.peers)
 
     def sync(self, infos: list[ReplicaInfo]) -> None:
         current = {i.replica_id: i for i in infos}

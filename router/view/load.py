@@ -9,6 +9,10 @@ Request lifecycle: `on_dispatch` (after `Policy.choose`) -> `on_prefill_done` (t
 prefill leg returned, or the decode replica emitted its first token after a local prefill) -> `on_finish` (any
 outcome; also releases the prefill work if it never completed).
 
+Several routers: each counts what it dispatched itself, fresh, and adds what the others have in flight as they
+last reported it (`set_peers`, from the registry at every poll: cluster/registry.py), so N routers see one
+cluster's load, the others' part up to a poll interval old.
+
 Queued prefill work is kept in tokens, requests and estimated seconds (`ServiceTimeModel.prefill_s` of each
 prompt's uncached part after its predicted cached part, the estimate the routing cost uses): give the tracker
 the policy's model (`router.service_time`, `PdservePolicy.weights.timing`).
@@ -18,7 +22,7 @@ from __future__ import annotations
 
 import msgspec
 
-from engine.messages import Role
+from engine.messages import DispatchedLoad, Role
 from router.messages import Decision, ReplicaView, RouteRequest
 from router.policy.cost import estimated_prefill_s
 from router.service_time import ServiceTimeModel
@@ -67,6 +71,8 @@ class LoadTracker:
         self.timing = timing or ServiceTimeModel()
         self._replicas: dict[str, _ReplicaLoad] = {}
         self._inflight: dict[str, _InFlight] = {}
+        # The other routers' dispatched work in flight, summed per replica (`set_peers`).
+        self._peers: dict[str, DispatchedLoad] = {}
         # views(role) results, reused until a replica of that role changes (the router reads views at every
         # decision; most decisions change one or two replicas).
         self._views: dict[Role, list[ReplicaView]] = {}
@@ -154,6 +160,39 @@ class LoadTracker:
     def inflight(self) -> int:
         return len(self._inflight)
 
+    # ---- several routers
+    # ------------------------------------------------------------------------------------
+
+    def dispatched(self) -> dict[str, DispatchedLoad]:
+        """This router's own work in flight per replica (what it reports for the other routers to add)."""
+        return {
+            rid: DispatchedLoad(
+                queued_prefill_tokens=r.queued_prefill_tokens,
+                queued_prefill_requests=r.queued_prefill_requests,
+                queued_prefill_s=r.queued_prefill_s,
+                active_seqs=r.active_seqs,
+                active_context_tokens=r.active_context_tokens,
+            )
+            for rid, r in self._replicas.items()
+            if r.queued_prefill_requests or r.active_seqs
+        }
+
+    def set_peers(self, reports: list[dict[str, DispatchedLoad]]) -> None:
+        """The other routers' work in flight (each one's `dispatched()`, as it last reported it): added to
+        this router's own in every view from now on, replacing what was set before."""
+        total: dict[str, DispatchedLoad] = {}
+        for report in reports:
+            for rid, d in report.items():
+                t = total.get(rid)
+                total[rid] = d if t is None else _sum(t, d)
+        if total == self._peers:
+            return
+        for rid in self._peers.keys() | total.keys():
+            rep = self._replicas.get(rid)
+            if rep is not None:
+                self._changed(rep)
+        self._peers = total
+
     # ---- views
     # ----------------------------------------------------------------------------------------------
 
@@ -163,7 +202,7 @@ class LoadTracker:
         return [
             (rid, r.role, r.queued_prefill_requests, r.queued_prefill_tokens)
             for rid, r in list(self._replicas.items())
-        ]
+        ]  # this router's own: each router's /metrics shows what it dispatched
 
     def views(self, role: Role) -> list[ReplicaView]:
         """Every replica of `role`, including not-ready and draining ones (policies skip those).
@@ -172,7 +211,7 @@ class LoadTracker:
         views = self._views.get(role)
         if views is None:
             views = self._views[role] = [
-                self._view(rid, r) if r.view is None else r.view
+                self._view(rid, r, self._peers.get(rid)) if r.view is None else r.view
                 for rid, r in self._replicas.items()
                 if r.role == role
             ]
@@ -183,18 +222,32 @@ class LoadTracker:
         self._views.pop(rep.role, None)
 
     @staticmethod
-    def _view(replica_id: str, r: _ReplicaLoad) -> ReplicaView:
+    def _view(replica_id: str, r: _ReplicaLoad, peers: DispatchedLoad | None) -> ReplicaView:
+        p = peers or _NONE
         r.view = ReplicaView(
             replica_id=replica_id,
             role=r.role,
-            queued_prefill_tokens=r.queued_prefill_tokens,
-            queued_prefill_requests=r.queued_prefill_requests,
-            queued_prefill_s=r.queued_prefill_s,
-            active_seqs=r.active_seqs,
-            active_context_tokens=r.active_context_tokens,
+            queued_prefill_tokens=r.queued_prefill_tokens + p.queued_prefill_tokens,
+            queued_prefill_requests=r.queued_prefill_requests + p.queued_prefill_requests,
+            queued_prefill_s=r.queued_prefill_s + p.queued_prefill_s,
+            active_seqs=r.active_seqs + p.active_seqs,
+            active_context_tokens=r.active_context_tokens + p.active_context_tokens,
             kv_usage=r.kv_usage,
             ready=r.ready,
             draining=r.draining,
             node_id=r.node_id,
         )
         return r.view
+
+
+_NONE = DispatchedLoad()
+
+
+def _sum(a: DispatchedLoad, b: DispatchedLoad) -> DispatchedLoad:
+    return DispatchedLoad(
+        queued_prefill_tokens=a.queued_prefill_tokens + b.queued_prefill_tokens,
+        queued_prefill_requests=a.queued_prefill_requests + b.queued_prefill_requests,
+        queued_prefill_s=a.queued_prefill_s + b.queued_prefill_s,
+        active_seqs=a.active_seqs + b.active_seqs,
+        active_context_tokens=a.active_context_tokens + b.active_context_tokens,
+    )

@@ -21,7 +21,7 @@ from fake_cluster import (
     with_pool,
 )
 
-from cluster.apply import ApplyError, apply_topology, diff_topologies, plan_actions
+from cluster.apply import ApplyError, apply_topology, diff_topologies, plan_actions, restart_reasons
 from cluster.topology_file import parse_topology
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
@@ -51,6 +51,21 @@ def test_the_diff_names_field_paths_and_the_plan_says_what_serve_does() -> None:
     assert rolled["decode"].action == "roll"
     assert "a replacement starts before each old replica drains" in rolled["decode"].detail
     assert rolled["prefill"].action == "unchanged"  # engine args of one pool never restart the other
+
+
+def test_the_router_count_applies_live_serve_scales_the_router_deployment() -> None:
+    old = double_topology(8265)
+    raw = msgspec.to_builtins(old)
+    raw["server"]["routers"] = 2
+    new = parse_topology(raw)
+    changes = diff_topologies(old, new)
+    assert [str(c) for c in changes] == ["server.routers: 1 -> 2"]
+    assert restart_reasons(old, changes) == []  # the rest of `server` is still read once
+    actions = {a.deployment: a for a in plan_actions(old, new, serve_router=True)}
+    assert actions["router"].detail == "scale 1 -> 2 replicas (start 1)"
+    assert {a.action for name, a in actions.items() if name not in ("router", "registry")} == {"unchanged"}
+    raw["server"]["grpc_port"] += 1
+    assert restart_reasons(old, diff_topologies(old, parse_topology(raw)))
 
 
 async def test_scale_decode_1_to_3_to_1_while_streaming_loses_no_request_and_drains_removed_replicas(

@@ -131,39 +131,28 @@ def test_deploy_progress_names_each_starting_replica_its_age_and_what_it_waits_f
     )
 
 
-def test_up_waits_until_the_router_says_it_can_serve() -> None:
-    """The application runs before the router has read the engines from the registry (every second):
-    `pdserve up` says it is up only once the router's `pdserve_serving` gauge is 1."""
-    import http.server
-    import threading
-
+def test_up_waits_until_every_router_says_it_can_serve() -> None:
+    """The application runs before the routers have read the engines from the registry (every second):
+    `pdserve up` says it is up only once every router reports to the registry that it serves."""
     import pytest
 
     from cluster.bootstrap import BootstrapError, wait_until_serving
+    from engine.messages import RouterReport
 
-    answers = iter(["pdserve_serving 0.0\n", "pdserve_serving 0.0\n"])
-    seen: list[str] = []
+    def reports(*serving: bool) -> list[RouterReport]:
+        return [RouterReport(router_id=f"r{i}", serving=s) for i, s in enumerate(serving)]
 
-    class Metrics(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            body = next(answers, "# HELP pdserve_serving ...\npdserve_serving 1.0\n")
-            seen.append(body)
-            self.send_response(200)
-            self.end_headers()
-            self.wfile.write(body.encode())
+    answers = iter([[], reports(False, True), reports(True)])
+    asked: list[int] = []
 
-        def log_message(self, *args: object) -> None:
-            return
+    def routers() -> list[RouterReport]:
+        asked.append(1)
+        answer = next(answers, reports(True, True))
+        if not answer and len(asked) == 1:
+            raise TimeoutError("the registry is starting")
+        return answer
 
-    server = http.server.HTTPServer(("127.0.0.1", 0), Metrics)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_port}/metrics"
-    try:
-        wait_until_serving(url, timeout_s=10)
-        assert len(seen) == 3  # twice not yet, then serving
-        answers = iter(["pdserve_serving 0.0\n"] * 100)
-        with pytest.raises(BootstrapError, match="it sees no decode replica that can serve"):
-            wait_until_serving(url, timeout_s=1)
-    finally:
-        server.shutdown()
-        server.server_close()
+    wait_until_serving(routers, 2, timeout_s=10, poll_s=0.01)
+    assert len(asked) == 4  # no answer, one of two, one of two (the other not reporting yet), both
+    with pytest.raises(BootstrapError, match="1 of 2 routers see a decode replica that can serve"):
+        wait_until_serving(lambda: reports(True, False), 2, timeout_s=0.1, poll_s=0.01)

@@ -1,5 +1,5 @@
-"""The replica registry (plain object: no Ray): failure reports reach every router's poll, and per-replica
-slots (CPU cores) go to the replica that needs them most."""
+"""The replica registry (plain object: no Ray): failure reports reach every router's poll, per-replica slots
+(CPU cores) go to the replica that needs them most, and the routers read each other's load there."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from replicas import replica_info
 
 from cluster import registry as registry_module
 from cluster.registry import Registry
-from engine.messages import ReplicaInfo
+from engine.messages import DispatchedLoad, ReplicaInfo, RouterReport
 
 
 def info(rid: str, role: str = "decode", failed: str = "") -> ReplicaInfo:
@@ -113,3 +113,22 @@ def test_status_shows_a_failed_replica_with_its_reason() -> None:
     (row,) = status.replicas
     assert row.registry == "failed: its vLLM engine core died"
     assert "failed: its vLLM engine core died" in render_table(status)
+
+
+def test_routers_meet_at_the_registry_each_reads_the_others_and_a_silent_one_expires(
+    clock: list[float],
+) -> None:
+    reg = Registry()
+    reg.publish(info("d1"))
+    load = {"d1": DispatchedLoad(active_seqs=3, active_context_tokens=900)}
+    first = reg.sync(RouterReport(router_id="r1", admitted_tokens=900, replicas=load))
+    assert [i.replica_id for i in first.replicas] == ["d1"] and first.routers == []
+    second = reg.sync(RouterReport(router_id="r2"))
+    assert [(r.router_id, r.admitted_tokens, r.replicas) for r in second.routers] == [("r1", 900, load)]
+    assert {r.router_id for r in reg.sync(RouterReport(router_id="r1")).routers} == {"r2"}
+    # r2 stops polling (its process died): after ROUTER_EXPIRY_S its load no longer counts.
+    clock[0] += registry_module.ROUTER_EXPIRY_S + 0.5
+    assert reg.sync(RouterReport(router_id="r1")).routers == []
+    assert [r.router_id for r in reg.routers()] == ["r1"]
+    reg.withdraw_router("r1")  # a router stopping leaves at once
+    assert reg.routers() == []

@@ -195,10 +195,23 @@ def test_an_application_that_serves_its_router_has_it_on_the_head_binding_the_re
     (app,) = config["applications"]
     assert serves_router(app) and app["args"]["router"] is True
     router = deployments(config)["router"]
-    assert router["num_replicas"] == 1 and router["max_replicas_per_node"] == 1  # its gRPC port is fixed
+    assert router["num_replicas"] == 1
     assert router["ray_actor_options"]["resources"] == {"node:__internal_head__": 0.001}
     # Only the router is added: the pools and the registry are the same as `pdserve up` deploys.
     assert {k: v for k, v in deployments(config).items() if k != "router"} == deployments(plain)
+
+
+def test_several_routers_share_the_head_or_run_one_per_labelled_node() -> None:
+    on_head = deployments(compile_serve_config(parse_topology({"server": {"routers": 3}}), serve_router=True))
+    router = on_head["router"]
+    assert router["num_replicas"] == 3 and "max_replicas_per_node" not in router  # they share the ports
+    assert router["ray_actor_options"] == {"num_cpus": 0, "resources": {"node:__internal_head__": 0.001}}
+    spread = parse_topology({"server": {"routers": 2, "router_node_labels": {"role": "router"}}})
+    config = compile_serve_config(spread, serve_router=True)
+    ServeDeploySchema.model_validate(config)
+    router = deployments(config)["router"]
+    assert router["num_replicas"] == 2 and router["max_replicas_per_node"] == 1
+    assert router["ray_actor_options"] == {"num_cpus": 0, "label_selector": {"role": "router"}}
 
 
 def test_in_cluster_the_router_listens_on_the_pods_interfaces_and_engines_on_the_pods_address() -> None:

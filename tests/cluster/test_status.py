@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Iterator
 
 import pytest
@@ -18,7 +19,7 @@ from cluster import cli
 from cluster.bootstrap import RunState
 from cluster.status import ClusterStatus, Published, build_status, collect_status, render_table
 from cluster.topology import Topology
-from engine.messages import ReplicaInfo
+from engine.messages import ReplicaInfo, RouterReport
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
 
@@ -129,7 +130,7 @@ async def test_a_replica_serve_no_longer_has_shows_as_gone_until_its_entry_expir
     assert (row.replica_id, row.state, row.registry) == (prefill.replica_id, "GONE", "ready")
 
 
-def test_the_router_deployment_shows_by_its_status_and_has_no_replica_rows() -> None:
+def test_each_router_is_a_row_with_what_it_last_reported() -> None:
     details = {
         "applications": {
             APP: {
@@ -138,14 +139,26 @@ def test_the_router_deployment_shows_by_its_status_and_has_no_replica_rows() -> 
                     "router": {
                         "status": "UNHEALTHY",
                         "message": "the router's endpoint stopped",
-                        "replicas": [{"replica_id": "r1", "state": "RUNNING"}],
+                        "replicas": [
+                            {"replica_id": "r1", "state": "RUNNING", "node_id": "n" * 20},
+                            {"replica_id": "r2", "state": "STARTING"},
+                        ],
                     },
                     "registry": {"status": "HEALTHY", "replicas": [{"replica_id": "g1"}]},
                 },
             }
         }
     }
-    status = build_status(APP, details, {}, [])
+    reports = [
+        RouterReport(router_id="r1", node_id="n" * 20, serving=True, inflight_requests=7),
+        RouterReport(router_id="r0", serving=True),  # killed: Serve has it no more, its report expires
+    ]
+    status = build_status(APP, details, {}, [Published.of_router(r) for r in reports])
     assert status.deployments == {"router": "UNHEALTHY: the router's endpoint stopped"}
-    assert status.replicas == []
-    assert "  router: UNHEALTHY: the router's endpoint stopped" in render_table(status)
+    assert [(r.replica_id, r.role, r.state, r.registry, r.running) for r in status.replicas] == [
+        ("r1", "router", "RUNNING", "serving", 7),
+        ("r2", "router", "STARTING", "missing", None),
+    ]
+    table = render_table(status)
+    assert "  router: UNHEALTHY: the router's endpoint stopped" in table
+    assert re.search(r"^r1 +router +RUNNING +serving +nnnnnnnnnnnn .* 7/- ", table, re.MULTILINE)

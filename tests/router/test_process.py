@@ -88,3 +88,33 @@ def test_status_says_ready_only_once_this_router_routes_to_the_replica() -> None
         (True, True): "FAILED",
         (False, True): "FAILED",
     }
+
+
+async def test_each_poll_reports_this_routers_load_and_admission_counts_the_others(
+    process: RouterProcess,
+) -> None:
+    from inprocess_server import StandInRegistry
+    from replicas import replica_info
+
+    from engine.messages import RouterReport
+
+    registry = StandInRegistry([replica_info("p0", "prefill"), replica_info("d0")])
+    process.view._registry = registry
+    process.config.current = msgspec.structs.replace(process.config.current, overload_queue_tokens=1000)
+    await process.view.refresh()
+    process.decider.route("r1", None, list(range(300)), Sampling(max_tokens=4))
+    await process.view.refresh()
+    report = registry.reports[-1]
+    assert report.router_id == process.view.router_id and report.admitted_tokens == 300
+    assert report.grpc_address == "127.0.0.1:50051" and report.inflight_requests == 1
+    assert sum(d.active_seqs for d in report.replicas.values()) == 1
+    # Another router has 600 prompt tokens in flight on d0: this one's views and admission count them.
+    other = RouterReport(router_id="other", admitted_tokens=600, replicas={})
+    registry.routers = [other, report]  # the registry answers a router with the others; its own is skipped
+    await process.view.refresh()
+    assert [r.router_id for r in process.view.peers] == ["other"]
+    with pytest.raises(Overloaded, match="900 prompt tokens in flight"):
+        process.decider.route("r2", None, list(range(200)), Sampling(max_tokens=4))
+    registry.routers = []
+    await process.view.refresh()
+    process.decider.route("r2", None, list(range(200)), Sampling(max_tokens=4))

@@ -1,5 +1,6 @@
-"""The gRPC endpoint's listening socket: a port that cannot be bound is refused with the topology field named,
-and a second server never shares a port with the first."""
+"""The doors' listening sockets: a port that cannot be bound is refused with the topology field named; the
+routers of one node share their doors' ports (SO_REUSEPORT), and a port they hold is still in use to anyone
+else (`pdserve up` checks it before it starts a cluster)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 from ports import free_port
 
 from router.doors.grpc_service import PdserveService, start_grpc_server
-from router.doors.listen import ListenError, check_listen
+from router.doors.listen import ListenError, bind, check_listen
 
 
 @pytest.fixture
@@ -55,11 +56,46 @@ async def test_a_port_in_use_is_a_listen_error(held_port: int) -> None:
         await start_grpc_server(SERVICE, host="127.0.0.1", port=held_port)
 
 
-async def test_a_second_server_does_not_share_the_first_ones_port() -> None:
+async def test_the_routers_of_a_node_share_the_grpc_port_and_it_is_in_use_to_anyone_else() -> None:
     port = free_port()
     first, _ = await start_grpc_server(SERVICE, host="127.0.0.1", port=port)
     try:
-        with pytest.raises(ListenError):
-            await start_grpc_server(SERVICE, host="127.0.0.1", port=port)
+        second, _ = await start_grpc_server(SERVICE, host="127.0.0.1", port=port)
+        try:
+            with pytest.raises(ListenError, match="in use"):
+                check_listen("server.grpc_port", "127.0.0.1", port)
+        finally:
+            await second.stop(grace=None)
     finally:
         await first.stop(grace=None)
+
+
+def test_the_http_doors_of_a_node_share_their_port_and_the_kernel_spreads_connections() -> None:
+    port = free_port()
+    a, b = (
+        bind("server.http_port", "127.0.0.1", port, shared=True),
+        bind("server.http_port", "127.0.0.1", port, shared=True),
+    )
+    try:
+        for s in (a, b):
+            s.listen()
+            s.setblocking(False)
+        clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(64)]
+        accepted = {id(a): 0, id(b): 0}
+        for s in (a, b):
+            while True:
+                try:
+                    conn, _ = s.accept()
+                except BlockingIOError:
+                    break
+                conn.close()
+                accepted[id(s)] += 1
+        assert sum(accepted.values()) == 64
+        assert min(accepted.values()) > 0  # both routers take connections
+        for c in clients:
+            c.close()
+        with pytest.raises(ListenError, match="in use"):
+            check_listen("server.http_port", "127.0.0.1", port)
+    finally:
+        a.close()
+        b.close()

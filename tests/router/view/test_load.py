@@ -2,6 +2,7 @@
 
 import pytest
 
+from engine.messages import DispatchedLoad
 from router.messages import Decision, RouteRequest
 from router.service_time import ServiceTimeModel
 from router.view.load import LoadTracker
@@ -129,3 +130,30 @@ def test_views_are_reused_until_a_replica_of_that_role_changes() -> None:
     assert not t.views("prefill")[1].ready
     t.add_replica("p2", "prefill")
     assert [v.replica_id for v in t.views("prefill")] == ["p0", "p1", "p2"]
+
+
+def test_the_other_routers_load_adds_to_this_ones_own_until_they_report_again() -> None:
+    t = _tracker()
+    t.on_dispatch(_req("r1", 1000), _dec("p0", "d0", cached=600))
+    own_s = _view(t, "prefill", "p0").queued_prefill_s
+    assert own_s is not None and own_s > 0
+    assert t.dispatched() == {
+        "p0": DispatchedLoad(queued_prefill_tokens=400, queued_prefill_requests=1, queued_prefill_s=own_s),
+        "d0": DispatchedLoad(active_seqs=1, active_context_tokens=1000),
+    }
+    other = {"p0": DispatchedLoad(queued_prefill_tokens=50, queued_prefill_requests=2, queued_prefill_s=1.5)}
+    third = {
+        "d0": DispatchedLoad(active_seqs=4, active_context_tokens=4000),
+        "gone": DispatchedLoad(active_seqs=9),
+    }
+    t.set_peers([other, third, other])
+    p, d = _view(t, "prefill", "p0"), _view(t, "decode", "d0")
+    assert (p.queued_prefill_tokens, p.queued_prefill_requests) == (500, 5)
+    assert p.queued_prefill_s == pytest.approx(own_s + 3.0)
+    assert (d.active_seqs, d.active_context_tokens) == (5, 5000)
+    # What this router reports is its own only: the others count theirs themselves.
+    assert t.dispatched()["d0"] == DispatchedLoad(active_seqs=1, active_context_tokens=1000)
+    t.set_peers([])  # they finished (or are gone)
+    assert (_view(t, "decode", "d0").active_seqs, _view(t, "prefill", "p0").queued_prefill_requests) == (1, 1)
+    t.on_finish("r1")
+    assert t.dispatched() == {}
