@@ -11,8 +11,9 @@ router: it is read from the router's cluster status), and to a replacement servi
 Faults: decode_worker (SIGKILL of a decode replica's VLLM::Worker process), decode_engine_core (of its
 VLLM::EngineCore), replica_actor (of the replica's actor process), frozen_engine (SIGSTOP of a decode
 engine core: no error, no progress; the topology's hang_timeout_s is 3 s here), prefill_engine_core, router
-(SIGKILL of the router replica's process: the SDK continues its streams on the replacement, and the last
-column is when a new router serves).
+(SIGKILL of the process of the router the streams' client is connected to, one of two sharing the port: the
+SDK continues its streams on the other; "new request" is when a new client's first request succeeds, the
+last column when Serve's replacement router serves too).
 tests/e2e/test_faults.py runs the same faults and asserts on them.
 """
 
@@ -50,7 +51,9 @@ TOPOLOGY = {
     "pools.decode.hang_timeout_s": 3.0,  # a step of the tiny model takes milliseconds
     # Every request (and every continuation) takes the prefill -> NIXL -> decode path, cached or not.
     "router.mode": "disaggregate",
+    "server.routers": 2,  # sharing the gRPC port: a router that dies leaves the other serving
 }
+ROUTERS = 2
 
 
 def write_topology(out: Path) -> Path:
@@ -141,19 +144,26 @@ def replica_pid(role: str, replica_id: str) -> int:
 
 
 def router_when_busy(client: PdserveClient) -> str | None:
-    """The router, once every stream runs on a decode engine (engine stats, 2 s): each has had its first
-    token, so the kill lands mid-stream (a stream the router has not answered yet is not continued)."""
+    """The router the client's streams go through, once every stream runs on a decode engine (engine stats,
+    2 s): each has had its first token, so the kill lands mid-stream (a stream the router has not answered
+    yet is not continued)."""
     if sum(ready(client, "decode").values()) < STREAMS:
         return None
-    return next(iter(serve_replicas("router")), None)
+    # The client's calls share one connection, so the router answering this one carries its streams.
+    return next((r.router_id for r in client.routers() if r.answering), None)
 
 
-def new_router_serving(client: PdserveClient, killed: str) -> bool | None:
-    """A router other than `killed` answers a new request."""
-    if killed in serve_replicas("router"):
-        return None
-    client.generate_text(prompt="are you back?", max_tokens=1)
+def a_new_request_succeeds(target: str) -> bool | None:
+    """A new client (a new connection, which the kernel gives to a live router) gets an answer."""
+    with PdserveClient(target, timeout=10) as fresh:
+        fresh.generate_text(prompt="are you there?", max_tokens=1)
     return True
+
+
+def routers_replaced(killed: str) -> bool | None:
+    """Serve runs ROUTERS routers again, none of them `killed`."""
+    replicas = serve_replicas("router")
+    return True if killed not in replicas and len(replicas) == ROUTERS else None
 
 
 def engine_process(role: str, replica_id: str, name: str) -> psutil.Process:
@@ -212,9 +222,10 @@ class FaultResult:
     moved: int
     out_of_routing_s: float
     replaced_s: float
+    new_request_s: float = float("nan")  # the router fault: until a new client's request succeeds
 
 
-def run_fault(client: PdserveClient, fault: Fault) -> FaultResult:
+def run_fault(client: PdserveClient, fault: Fault, target: str) -> FaultResult:
     """Streams, the fault on its victim, then wait for the streams and for Serve's replacement."""
     wait_for(lambda: whole_cluster(client), 240, "the whole cluster ready")
     streams = Streams(client)
@@ -223,11 +234,14 @@ def run_fault(client: PdserveClient, fault: Fault) -> FaultResult:
     try:
         at = time.monotonic()
         fault.inject(victim)
+        new_request_s = float("nan")
         if fault.role == "router":  # nothing routes to a router: "out of routing" does not apply
             out_of_routing_s = float("nan")
-            wait_for(lambda: new_router_serving(client, victim), 240, "a new router to serve")
-            replaced_s = time.monotonic() - at
+            wait_for(lambda: a_new_request_succeeds(target), 60, "a new request to succeed")
+            new_request_s = time.monotonic() - at
             outputs = streams.join()
+            wait_for(lambda: routers_replaced(victim), 240, "Serve to replace the router")
+            replaced_s = time.monotonic() - at
         else:
 
             def gone() -> bool | None:
@@ -243,7 +257,7 @@ def run_fault(client: PdserveClient, fault: Fault) -> FaultResult:
     router = fault.role == "router"
     moved_note = "the router connection was lost" if router else f"continued after {fault.role} replica"
     moved = sum(isinstance(c, Completion) and moved_note in c.served_by.note for c in outputs)
-    return FaultResult(fault.name, victim, outputs, moved, out_of_routing_s, replaced_s)
+    return FaultResult(fault.name, victim, outputs, moved, out_of_routing_s, replaced_s, new_request_s)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -260,22 +274,25 @@ def main(argv: list[str] | None = None) -> int:
         cluster = LocalCluster(write_topology(Path(tmp) / "topology.yaml"))
         try:
             topo = yaml.safe_load((Path(tmp) / "topology.yaml").read_text())
-            client = PdserveClient(f"127.0.0.1:{topo['server']['grpc_port']}", timeout=300)
+            target = f"127.0.0.1:{topo['server']['grpc_port']}"
+            client = PdserveClient(target, timeout=300)
             wait_for(lambda: whole_cluster(client), 240, "the whole cluster ready")
             reference = [generate(client, p).token_ids for p in PROMPTS]
             print(
                 f"cluster ready in {cluster.ready_s:.0f} s; {STREAMS} streams of {MAX_TOKENS} tokens a fault"
             )
             print(
-                f"{'fault':<22}{'moved':>7}{'identical':>11}{'out of routing':>16}{'replacement serving':>21}"
+                f"{'fault':<22}{'moved':>7}{'identical':>11}{'out of routing':>16}{'new request':>13}"
+                f"{'replacement serving':>21}"
             )
             for fault in chosen:
-                r = run_fault(client, fault)
+                r = run_fault(client, fault, target)
                 same = [c.token_ids if isinstance(c, Completion) else None for c in r.outputs] == reference
                 gone = "-" if math.isnan(r.out_of_routing_s) else f"{r.out_of_routing_s:.2f}s"
+                new = "-" if math.isnan(r.new_request_s) else f"{r.new_request_s:.2f}s"
                 print(
                     f"{r.fault:<22}{f'{r.moved}/{STREAMS}':>7}{'yes' if same else 'NO':>11}"
-                    f"{gone:>16}{r.replaced_s:>20.1f}s",
+                    f"{gone:>16}{new:>13}{r.replaced_s:>20.1f}s",
                     flush=True,
                 )
             client.close()

@@ -66,7 +66,7 @@ def test_killing_pdserve_up_stops_nothing_and_down_still_stops_everything(tmp_pa
         assert status.returncode == 0, status.stderr
         shown = json.loads(status.stdout)
         assert shown["deployments"]["router"] == "HEALTHY"
-        assert sorted(r["role"] for r in shown["replicas"]) == ["decode", "prefill"]
+        assert sorted(r["role"] for r in shown["replicas"]) == ["decode", "prefill", "router"]
     finally:
         down = cluster.cli("down", timeout=300)
     assert down.returncode == 0, down.stderr
