@@ -7,7 +7,7 @@ producer (computes the prompt, keeps its blocks until decode reads them), a deco
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import logging
 import os
 import random
@@ -120,7 +120,6 @@ class EngineHost:
         self._gpus = GpuReader(enabled=spec.device == "cuda")
         self._llm: Any = None
         self._failure: str | None = None
-        self._failed = asyncio.Event()
         self._inflight = 0
         self._busy_since = time.monotonic()
 
@@ -232,7 +231,8 @@ class EngineHost:
 
     async def _outputs(self, req: EngineRequest, params: Any) -> AsyncGenerator[Any, None]:
         """vLLM's outputs for one request; an engine that died or hung raises ReplicaFailed, which the router
-        answers by moving the request to another replica."""
+        answers by moving the request to another replica. Closing or cancelling it aborts the request in the
+        engine (vLLM's generate does on its way out)."""
         from vllm.v1.engine.exceptions import EngineDeadError
 
         if (reason := self.failure()) is not None:
@@ -245,31 +245,17 @@ class EngineHost:
             params,
             request_id=req.request_id,
             trace_headers=req.trace_context,  # vLLM's own spans join the request's trace
-        ).__aiter__()
-        # A hung engine raises nothing: the request waits on the failure too (see `failure`).
-        failed = asyncio.ensure_future(self._failed.wait())
-        step: asyncio.Future[Any] | None = None
+        )
         try:
-            while True:
-                step = asyncio.ensure_future(anext(outputs))
-                await asyncio.wait((step, failed), return_when=asyncio.FIRST_COMPLETED)
-                if not step.done():
-                    step.cancel()
-                    raise ReplicaFailed(self.replica_id, self.failure() or "its engine failed")
-                try:
-                    out = step.result()
-                except StopAsyncIteration:
-                    return
-                yield out
+            # No race against the watchdog per step: a hung engine's streams are failed by `failure`.
+            async with contextlib.aclosing(outputs):
+                async for out in outputs:
+                    yield out
         except EngineDeadError:
             reason = self.failure() or "its vLLM engine core died"
             log.error("%s engine %s failed: %s", self.spec.role, self.replica_id, reason)
             raise ReplicaFailed(self.replica_id, reason) from None
         finally:
-            # Cancelled (the client left) or failed: cancelling vLLM's stream aborts the request there.
-            if step is not None and not step.done():
-                step.cancel()
-            failed.cancel()
             self._inflight -= 1
 
     def failure(self) -> str | None:
@@ -284,8 +270,12 @@ class EngineHost:
                 self._failure = (
                     f"its engine reported no step for {idle_s:.0f} s with {self._inflight} requests in flight"
                 )
-            if self._failure is not None:
-                self._failed.set()  # requests waiting on a hung engine give up (see `_outputs`)
+        if self._failure is not None and self._inflight and self._llm is not None:
+            # A hung engine's requests would wait on it forever: end their streams as vLLM ends a dead
+            # engine's (every one still open, each time the watchdog asks: one may have just started).
+            from vllm.v1.engine.exceptions import EngineDeadError
+
+            self._llm.output_processor.propagate_error(EngineDeadError())
         return self._failure
 
     async def abort(self, request_id: str) -> None:
