@@ -1,4 +1,5 @@
-"""Compile a Topology into Ray Serve's declarative config, and into a KubeRay RayService manifest.
+"""Compile a Topology into Ray Serve's declarative config, and into a KubeRay RayService manifest (with a
+Service in front of its routers when they run on nodes of their own).
 
 The Serve config is what `serve deploy` and `ServeSubmissionClient.deploy_applications` take: Serve's
 controller then owns reconciliation, restarts, rolling updates and drain; pdserve only says what should run.
@@ -18,29 +19,32 @@ How a change reaches the replicas (Serve 2.60, config-deployed applications):
 
 from __future__ import annotations
 
-import math
+import textwrap
 from typing import Any
 
 import msgspec
 import yaml
 
+from cluster.kuberay import (
+    HEAD_GROUP,
+    MODEL_CLAIM,
+    TLS_SECRET,
+    TOKEN_SECRET,
+    head_group,
+    node_groups,
+    router_groups,
+    router_service,
+    worker_group,
+)
 from cluster.router_replica import router_deployment_config
 from cluster.serve_app import app_args, engine_spec
-from cluster.topology import NodeGroup, Pool, Topology, TopologyError
+from cluster.topology import NodeGroup, Pool, Topology
 from engine.spec import EngineSpec, spec_env
 from router.legs.replica_hint import IMPORT_PATH as HINT_ROUTER_IMPORT_PATH
 
 IMPORT_PATH = "cluster.serve_app:build_app"
 RAY_VERSION = "2.60.0"
 DEFAULT_IMAGE = "pdserve:0.1.0"  # built from this repository: Ray 2.60, vLLM, NIXL and pdserve installed
-HEAD_GROUP = "head"  # the inventory's node group of this name is the Ray head
-# What an exported RayService expects to exist in its namespace: the server's TLS certificate (a
-# kubernetes.io/tls Secret), the bearer token (an Opaque Secret, key `token`), the model (a PVC).
-TLS_SECRET = "pdserve-tls"
-TOKEN_SECRET = "pdserve-auth"
-MODEL_CLAIM = "pdserve-model"
-# Of each node's vCPUs, the share left to the kubelet, system daemons and device plugins.
-_NODE_RESERVED_CPU = 0.1
 REGISTRY = "registry"  # the application's ingress deployment (cluster/registry.py)
 TOPOLOGY_KEY = "topology"  # the registry's user_config key holding the deployed topology
 
@@ -165,11 +169,15 @@ def export_rayservice(
 
     Worker groups come from the topology's node inventory (`nodes`), or, without one, one group per pool
     sized for its replicas. Each group's pods start Ray with the group's labels, which the pools' label
-    selectors match.
+    selectors match. The routers run on the head; with `server.router_node_labels`, on the groups those
+    labels match (without an inventory: a group `routers` of `server.routers` nodes), whose pods then carry
+    the router's ports, TLS files and token, and the labels `export_router_service` selects.
     """
     serve_config = compile_serve_config(in_cluster(topo), app_name=app_name, serve_router=True)
-    groups = topo.nodes if topo.nodes is not None else _groups_for_pools(topo)
+    groups = node_groups(topo)
     head = next((g for g in groups if g.name == HEAD_GROUP), NodeGroup(name=HEAD_GROUP, cpus=16))
+    workers = [g for g in groups if g.name != HEAD_GROUP]
+    routers = router_groups(topo.server, [head, *workers])
     return {
         "apiVersion": "ray.io/v1",
         "kind": "RayService",
@@ -181,17 +189,26 @@ def export_rayservice(
                 # Ray's token auth on every pod (a Ray cluster runs any code it is sent): KubeRay makes the
                 # token, keeps it in a Secret named after the cluster and sets it in each container.
                 "authOptions": {"mode": "token"},
-                "headGroupSpec": _head_group(head, image, topo),
-                "workerGroupSpecs": [_worker_group(g, image, topo) for g in groups if g.name != HEAD_GROUP],
+                "headGroupSpec": head_group(head, image, topo, name, router=head.name in routers),
+                "workerGroupSpecs": [
+                    worker_group(g, image, topo, name, router=g.name in routers) for g in workers
+                ],
             },
         },
     }
 
 
+def export_router_service(topo: Topology, *, name: str = "pdserve") -> dict[str, Any] | None:
+    """The Service (v1) in front of the RayService's routers when they run on nodes of their own
+    (`<name>-routers`: the doors' ports of the router pods ready to serve); None when they run on the head,
+    behind KubeRay's head Service. What it selects, and why: cluster/kuberay.py."""
+    return router_service(topo, name)
+
+
 def in_cluster(topo: Topology) -> Topology:
     """The topology as it runs in pods: engines bind the pod's address (ray.address null, a local head,
     would bind 127.0.0.1, which other pods cannot reach), and the router's endpoints listen on the pod's
-    interfaces, where the head's Service reaches them (TLS and the token guard them, not the address)."""
+    interfaces, where a Service reaches them (TLS and the token guard them, not the address)."""
     server = topo.server
     loopback = ("127.0.0.1", "localhost")
     hosts = {
@@ -207,25 +224,65 @@ def in_cluster(topo: Topology) -> Topology:
 
 
 def render_rayservice(topo: Topology, *, source: str, image: str = DEFAULT_IMAGE) -> str:
-    """The RayService manifest as YAML text, headed by where it came from (what `pdserve export` writes)."""
+    """The RayService manifest as YAML text, headed by where it came from and how clients reach the routers
+    (what `pdserve export` writes); with labelled routers, followed by their Service as a second document."""
+    name = "pdserve"
+    server = topo.server
+    service = export_router_service(topo, name=name)
+    if service is None:
+        shared = f" Its {server.routers} routers share the head's ports; the kernel spreads connections."
+        about = (
+            "A KubeRay RayService: KubeRay starts the Ray cluster below (a CPU head for Serve's"
+            " controller, the dashboard and pdserve's routers; GPU worker groups started with the labels"
+            " the pools select) and deploys spec.serveConfigV2, the Serve config pdserve compiles from the"
+            " topology (the engine pools, the registry and the routers), on it. Clients reach the routers'"
+            f" gRPC endpoint through the head's Service ({name}-head-svc, port `grpc`)."
+            + (shared if server.routers > 1 else "")
+        )
+    else:
+        doors = " and ".join(f"`{p['name']}`" for p in service["spec"]["ports"])
+        pod_labels = _format_labels(service["spec"]["selector"])
+        about = (
+            "Two documents: a KubeRay RayService, then the Service in front of its routers. KubeRay"
+            " starts the Ray cluster (a CPU head for Serve's controller and the dashboard; worker groups"
+            " started with the labels the pools and the routers select) and deploys spec.serveConfigV2,"
+            " the Serve config pdserve compiles from the topology (the engine pools, the registry and the"
+            f" routers), on it: {server.routers} routers, one per node labelled"
+            f" {_format_labels(server.router_node_labels)}. Clients reach them through the Service"
+            f" {name}-routers (port {doors}), which spreads connections over the router pods ready to"
+            " serve (a router is ready while a decode replica can serve). It selects the labels the export"
+            f" puts on the router pods ({pod_labels}), which the new RayCluster of an upgrade carries too:"
+            " during one, it fronts the routers of both clusters. The head's Service"
+            f" ({name}-head-svc) publishes the dashboard, not gRPC."
+        )
     header = (
         f"# Generated from {source} by `pdserve export`; do not edit: edit the topology and regenerate.\n"
-        "# A KubeRay RayService: KubeRay starts the Ray cluster below (a CPU head for Serve's\n"
-        "# controller, the dashboard and pdserve's router; GPU worker groups started with the labels\n"
-        "# the pools select) and deploys spec.serveConfigV2, the Serve config pdserve compiles from the\n"
-        "# topology (the engine pools, the registry and the router), on it. Clients reach the router's\n"
-        "# gRPC endpoint through the head's Service (<name>-head-svc, port `grpc`).\n"
+    )
+    header += "".join(
+        f"# {line}\n"
+        for line in textwrap.wrap(about, width=104, break_on_hyphens=False, break_long_words=False)
     )
     needs = []
     if not topo.model.source.startswith("builtin:"):
         needs.append(f"PersistentVolumeClaim {MODEL_CLAIM} (ReadOnlyMany, the model at {topo.model.source})")
-    if topo.server.tls is not None:
+    if server.tls is not None:
         needs.append(f"Secret {TLS_SECRET} (kubernetes.io/tls: the gRPC endpoint's certificate and key)")
-    if topo.server.auth_token_env:
+    if server.auth_token_env:
         needs.append(f"Secret {TOKEN_SECRET} (key `token`: the clients' bearer token)")
     if needs:
         header += "# Expects in its namespace:\n" + "".join(f"#   {need}\n" for need in needs)
-    return header + yaml.dump(export_rayservice(topo, image=image), Dumper=_BlockTextDumper, sort_keys=False)
+    text = header + _dump(export_rayservice(topo, name=name, image=image))
+    if service is not None:
+        text += "---\n" + _dump(service)
+    return text
+
+
+def _format_labels(labels: dict[str, str]) -> str:
+    return ",".join(f"{k}={v}" for k, v in labels.items())
+
+
+def _dump(document: dict[str, Any]) -> str:
+    return yaml.dump(document, Dumper=_BlockTextDumper, sort_keys=False)
 
 
 class _BlockTextDumper(yaml.SafeDumper):
@@ -238,132 +295,3 @@ def _represent_str(dumper: yaml.SafeDumper, text: str) -> yaml.ScalarNode:
 
 
 _BlockTextDumper.add_representer(str, _represent_str)
-
-
-def _groups_for_pools(topo: Topology) -> list[NodeGroup]:
-    groups = []
-    for role, pool in topo.pools.items():
-        if pool.replicas == 0:
-            continue
-        labels: dict[str, str] = {}
-        for key, value in pool.node_labels.items():
-            if value.startswith("!") or value.startswith("in("):
-                raise TopologyError(
-                    f"pools.{role}.node_labels.{key}",
-                    "export needs a node inventory (nodes) when a selector uses operators",
-                )
-            labels[key] = value
-        shape = pool.node_shapes()[0]
-        # Replicas on shares of one GPU share its node: as many as fit its GPU.
-        per_node = math.floor(1 / pool.gpus_per_replica + 1e-9) if pool.shares_gpu else 1
-        groups.append(
-            NodeGroup(
-                name=role,
-                labels=labels,
-                gpus=math.ceil(pool.node_gpus),
-                cpus=max(1, math.ceil(shape["CPU"] * per_node)),
-                count=math.ceil(pool.replicas / per_node) * pool.nodes_per_replica,
-            )
-        )
-    return groups
-
-
-def _head_group(head: NodeGroup, image: str, topo: Topology) -> dict[str, Any]:
-    group: dict[str, Any] = {
-        # The head runs Serve's controller, the dashboard and pdserve's router; no engine (num-gpus 0).
-        "rayStartParams": {"dashboard-host": "0.0.0.0", "num-gpus": "0"},
-        "template": {
-            "spec": {
-                "containers": [
-                    {
-                        "name": "ray-head",
-                        "image": image,
-                        "resources": {"requests": _pod_cpu(head.cpus), "limits": _pod_cpu(head.cpus)},
-                        "ports": [
-                            {"containerPort": 6379, "name": "gcs"},
-                            {"containerPort": topo.ray.dashboard_port, "name": "dashboard"},
-                            {"containerPort": topo.server.grpc_port, "name": "grpc"},
-                            # Not "metrics": KubeRay names Ray's own metrics port so.
-                            {"containerPort": topo.server.metrics_port, "name": "pdserve-metrics"},
-                            *(
-                                [{"containerPort": topo.server.http_port, "name": "http"}]
-                                if topo.server.http_port
-                                else []
-                            ),
-                        ],
-                    }
-                ]
-            }
-        },
-    }
-    if head.labels:
-        group["labels"] = dict(head.labels)
-    pod = group["template"]["spec"]
-    (container,) = pod["containers"]
-    _mount_model(pod, container, topo)
-    # The endpoint's certificate and token come from Kubernetes Secrets, never from the manifest.
-    tls = topo.server.tls
-    if tls is not None:
-        files = {tls.cert_file: "tls.crt", tls.key_file: "tls.key"}  # a kubernetes.io/tls Secret's keys
-        pod.setdefault("volumes", []).append({"name": "pdserve-tls", "secret": {"secretName": TLS_SECRET}})
-        container.setdefault("volumeMounts", []).extend(
-            {"name": "pdserve-tls", "mountPath": path, "subPath": key, "readOnly": True}
-            for path, key in files.items()
-        )
-    if topo.server.auth_token_env:
-        env = {"secretKeyRef": {"name": TOKEN_SECRET, "key": "token"}}
-        container.setdefault("env", []).append({"name": topo.server.auth_token_env, "valueFrom": env})
-    return group
-
-
-def _mount_model(pod: dict[str, Any], container: dict[str, Any], topo: Topology) -> None:
-    """A model directory (not a built-in model) comes from a read-only volume mounted at its path in every
-    pod: engines load it, the router's tokenizer on the head reads it."""
-    if topo.model.source.startswith("builtin:"):
-        return
-    claim = {"claimName": MODEL_CLAIM, "readOnly": True}
-    pod.setdefault("volumes", []).append({"name": "model", "persistentVolumeClaim": claim})
-    container.setdefault("volumeMounts", []).append(
-        {"name": "model", "mountPath": topo.model.source, "readOnly": True}
-    )
-
-
-def _pod_cpu(node_cpus: int) -> dict[str, str]:
-    """The CPU a node's one Ray pod asks for: the node's, less what the kubelet and daemons keep (a pod
-    asking for every vCPU would stay Pending)."""
-    return {"cpu": str(max(1, node_cpus - max(1, math.ceil(node_cpus * _NODE_RESERVED_CPU))))}
-
-
-def _worker_group(group: NodeGroup, image: str, topo: Topology) -> dict[str, Any]:
-    requests = _pod_cpu(group.cpus)
-    if group.gpus:
-        requests["nvidia.com/gpu"] = str(group.gpus)
-    requests.update((name, str(n)) for name, n in group.devices.items())
-    limits = dict(requests)
-    container: dict[str, Any] = {
-        "name": "ray-worker",
-        "image": image,
-        "resources": {"requests": requests, "limits": limits},
-    }
-    if group.gpus:
-        # NIXL moves KV over RDMA (UCX): registering GPU/host memory needs IPC_LOCK, and NCCL/vLLM need a
-        # large /dev/shm.
-        container["securityContext"] = {"capabilities": {"add": ["IPC_LOCK"]}}
-        container["volumeMounts"] = [{"name": "dshm", "mountPath": "/dev/shm"}]
-    spec: dict[str, Any] = {"containers": [container]}
-    if group.gpus:
-        spec["volumes"] = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
-    _mount_model(spec, container, topo)
-    out: dict[str, Any] = {
-        "groupName": group.name,
-        "replicas": group.count,
-        "minReplicas": group.count,
-        "maxReplicas": group.count,
-        "rayStartParams": {},
-        "template": {"spec": spec},
-    }
-    if group.labels:
-        # KubeRay starts the group's Ray nodes with these labels (the pools' bundle selectors match them);
-        # it refuses them in rayStartParams.
-        out["labels"] = dict(group.labels)
-    return out

@@ -30,7 +30,13 @@ def kind_of(document: dict[str, Any]) -> str:
 
 
 def deploy_files(kind: str) -> list[Path]:
-    return [p for p in sorted(DEPLOY.rglob("*.yaml")) if kind_of(yaml.safe_load(p.read_text()) or {}) == kind]
+    """The files of a kind, by their first YAML document (an exported RayService may have its routers'
+    Service after it)."""
+    return [p for p in sorted(DEPLOY.rglob("*.yaml")) if kind_of(first_document(p)) == kind]
+
+
+def first_document(path: Path) -> dict[str, Any]:
+    return next(yaml.safe_load_all(path.read_text()), None) or {}
 
 
 TOPOLOGIES = deploy_files("topology")
@@ -124,12 +130,32 @@ def test_launcher_starts_the_h200_inventory_with_its_labels() -> None:
 
 
 def test_launcher_gives_gpu_and_rdma_devices_to_the_gpu_workers_only() -> None:
-    # `--gpus all` or `--device /dev/infiniband` on the CPU head stops its container from starting.
-    docker = yaml.safe_load((DEPLOY / "ray-cluster-h200.yaml").read_text())["docker"]
+    # `--gpus all` or `--device /dev/infiniband` on a CPU node (the head, the routers') stops its container
+    # from starting.
+    launcher = yaml.safe_load((DEPLOY / "ray-cluster-h200.yaml").read_text())
+    docker = launcher["docker"]
     everywhere = " ".join(docker.get("run_options", []) + docker.get("head_run_options", []))
     assert "--gpus" not in everywhere and "/dev/infiniband" not in everywhere
-    workers = " ".join(docker["worker_run_options"])
-    assert "--gpus all" in workers and "--device /dev/infiniband" in workers
+    for name, node_type in launcher["available_node_types"].items():
+        if name == launcher["head_node_type"]:
+            continue
+        # What the launcher runs a worker with: a node type's own docker settings replace the top-level ones.
+        workers = " ".join({**docker, **node_type.get("docker", {})}.get("worker_run_options", []))
+        gpu = node_type["resources"]["GPU"] > 0
+        assert ("--gpus all" in workers and "--device /dev/infiniband" in workers) == gpu, name
+        assert gpu or ("--gpus" not in workers and "/dev/infiniband" not in workers), name
+
+
+def test_h200_example_runs_its_routers_on_cpu_nodes_of_their_own() -> None:
+    topo = load_topology(DEPLOY / "h200-kimi-k2.yaml")
+    server = topo.server
+    assert server.routers >= 2 and server.router_node_labels and topo.nodes is not None
+    hosts = [g for g in topo.nodes if selector_matches(server.router_node_labels, g.labels)]
+    assert sum(g.count for g in hosts) == server.routers
+    assert all(g.gpus == 0 and g.name != "head" for g in hosts)
+    # No engine is placed on a router node.
+    for _, pool in topo.pools.items():
+        assert not [g for g in hosts if selector_matches(pool.node_labels, g.labels)]
 
 
 def _ray_labels(labels: dict[str, str]) -> str:
