@@ -8,6 +8,9 @@ Cluster: `--replicas` prefill replicas (the pool whose caches and load the targe
 `router.service_time` says (default: one 8x H200 node serving DeepSeek-V3). pdserve routes with the
 topology's `router` section (`--topology FILE`, the file `pdserve up` and `pdserve apply` take).
 Per-replica cache capacity, prefill and decode alike, is `--cache-frac` x the slice's unique blocks.
+`--routers N` puts N routers in front (the topology's `server.routers`), each request to one drawn at random,
+each router with its own policy state and load accounting, reporting its load to the others every
+`--router-sync-s` seconds (bench/replay/sim.py); the load is set as for one router.
 """
 
 from __future__ import annotations
@@ -108,6 +111,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-gap-s", type=_NON_NEGATIVE, default=300.0, help="caps every tool/think gap (s)")
     p.add_argument("--policies", default="all", help="'all' or comma-separated names")
     p.add_argument(
+        "--routers",
+        type=_COUNT,
+        default=1,
+        help="routers in front of the cluster (server.routers; default 1): each request (every turn of a "
+        "session) reaches one drawn at random, which decides it with its own policy state (sessions, recent "
+        "work) and load accounting; the load is set as for one router, so runs compare at the same load",
+    )
+    p.add_argument(
+        "--router-sync-s",
+        type=_POSITIVE,
+        default=1.0,
+        help="with --routers > 1: seconds between the routers' load reports; each adds the others' work in "
+        "flight as of the last report (default 1, the registry's poll)",
+    )
+    p.add_argument(
         "--topology",
         type=Path,
         default=None,
@@ -132,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         default=None,
         help="write every request's record here, by policy (JSON: arrival, prefill start/end, first token, "
-        "replicas, cached/computed tokens): which requests make a tail",
+        "replicas, cached/computed tokens, the router that decided it): which requests make a tail",
     )
     return p
 
@@ -195,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
         timing=router.service_time.timing(),
         readback_ttl_s=float(topo.pools.kv_readback_ttl_s) or None,
         readback_exports=router.kv_readback_exports,
+        routers=args.routers,
+        router_sync_s=args.router_sync_s,
     )
     fixed = args.concurrency if trace.closed_loop else args.time_scale
     if fixed is not None:
@@ -211,6 +231,12 @@ def main(argv: list[str] | None = None) -> int:
         )
     knob = f"concurrency {cfg.concurrency}" if trace.closed_loop else f"time scale {cfg.time_scale:.3f}"
     print(f"load: {knob}", flush=True)
+    if cfg.routers > 1:
+        print(
+            f"routers: {cfg.routers}, each request to one at random, "
+            f"load reports every {cfg.router_sync_s:g} s",
+            flush=True,
+        )
     if "pdserve" in policies:
         readback = "off" if cfg.readback_ttl_s is None else f"{cfg.readback_ttl_s:g} s"
         if cfg.readback_ttl_s is not None:

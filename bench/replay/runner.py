@@ -36,7 +36,9 @@ def replay_policy(
         return feed, feed.index
 
     t0 = time.perf_counter()
-    sim = Simulator(trace, factory(cfg.timing), cfg, index_factory=index_factory)  # type: ignore[arg-type]
+    # A policy instance per router, from the same factory: each router keeps its own sessions and recent work.
+    policies = [factory(cfg.timing) for _ in range(cfg.routers)]
+    sim = Simulator(trace, policies, cfg, index_factory=index_factory)  # type: ignore[arg-type]
     records = sim.run()
     return summarize(name, sim, records, bound, time.perf_counter() - t0, slo=slo, pooled=pooled), records
 
@@ -52,7 +54,9 @@ def set_load(
 ) -> SimConfig:
     """The config with `time_scale` (open loop) or `concurrency` (closed loop) set for `target` utilisation.
 
-    Analytic estimate first; then, with a reference policy, pilot runs correct it."""
+    Analytic estimate first; then, with a reference policy, pilot runs correct it. The pilots run behind one
+    router whatever `cfg.routers` says: the offered load is the workload's, so replays with different numbers
+    of routers are compared at the same load."""
     bound = infinite_cache_hit_ratio(trace)
     if trace.closed_loop:
         est = estimate_concurrency(
@@ -64,16 +68,17 @@ def set_load(
         knob = estimate_time_scale(trace, cfg.timing, cfg.prefill_replicas, target)
         log(f"load: analytic time scale {knob:.3f} for util {target}")
 
-    def with_knob(k: float) -> SimConfig:
+    def with_knob(k: float, base: SimConfig = cfg) -> SimConfig:
         if trace.closed_loop:
-            return msgspec.structs.replace(cfg, concurrency=int(k))
-        return msgspec.structs.replace(cfg, time_scale=k)
+            return msgspec.structs.replace(base, concurrency=int(k))
+        return msgspec.structs.replace(base, time_scale=k)
 
     if reference is not None and pilot_rounds > 0:
         name, factory = reference
+        pilot = msgspec.structs.replace(cfg, routers=1)
 
         def measure(k: float) -> float:
-            return replay_policy(trace, name, factory, with_knob(k), bound)[0].prefill_util
+            return replay_policy(trace, name, factory, with_knob(k, pilot), bound)[0].prefill_util
 
         knob, _ = refine(knob, target, measure, rounds=pilot_rounds, integer=trace.closed_loop, log=log)
     return with_knob(knob)

@@ -37,6 +37,16 @@ replica, the blocks of running sequences are allocated (pinned) until they finis
 5. Finish: `policy.on_finish`; in a closed-loop replay the session's next turn is sent after its recorded
    gap.
 
+Several routers (`routers`, as the topology's `server.routers`): each is a `_Router`, with its own policy
+instance (sessions, recent work) and its own `LoadTracker`, told of what it dispatched itself (and of every
+decode replica's KV usage, which every router reads from the engines). Every `router_sync_s` virtual seconds
+each router publishes its `LoadTracker.dispatched()` and sets the others' as its peers (`set_peers`), as the
+live routers do through the registry, so between two syncs a router sees the others' work as it was at the
+last one. Each request reaches a router drawn at random (seeded by `seed`), independently per turn: a
+session's turns reach different routers, the worst case for what a router remembers of a session (an SDK
+client normally keeps to one router). The KV index is the same for every router (each gets every engine's KV
+events), so they share one. The request's policy `on_finish` goes to the router that decided it.
+
 Load: open-loop traces arrive at `arrival_s / time_scale`; closed-loop traces run `concurrency` session
 slots, each replaying sessions one after another (seeded order), with every gap multiplied by `gap_scale`
 and capped at `max_gap_s` (human pauses of hours would otherwise leave slots idle). The measurement window
@@ -84,12 +94,18 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     readback_exports: bool = True
     seed: int = 0
     timing: ServiceTimeModel = ServiceTimeModel()
+    # Routers in front of the cluster, each request to one drawn at random per turn (module docstring), and
+    # the virtual seconds between their load reports to each other.
+    routers: int = 1
+    router_sync_s: float = 1.0
 
     def __post_init__(self) -> None:
         if self.prefill_replicas < 0 or self.decode_replicas < 1:
             raise ValueError("need prefill_replicas >= 0 and decode_replicas >= 1")
         if self.time_scale <= 0 or self.gap_scale < 0 or self.concurrency < 1:
             raise ValueError("time_scale must be > 0, gap_scale >= 0, concurrency >= 1")
+        if self.routers < 1 or self.router_sync_s <= 0:
+            raise ValueError("need routers >= 1 and router_sync_s > 0")
 
 
 class RequestRecord(msgspec.Struct, kw_only=True):
@@ -115,6 +131,8 @@ class RequestRecord(msgspec.Struct, kw_only=True):
     first_token: float = 0.0
     finish: float = 0.0
     in_window: bool = True
+    # The router that decided it (0 with one router).
+    router: int = 0
 
     @property
     def ttft(self) -> float:
@@ -142,6 +160,7 @@ class _Job:
         "ready_at",
         "rec",
         "route",
+        "router",
         "session_pos",
         "slot",
         "trace_req",
@@ -151,6 +170,7 @@ class _Job:
         self.trace_req = trace_req
         self.route = route
         self.rec = rec
+        self.router: _Router | None = None  # the router that decided it
         self.decision: Decision | None = None
         self.session_pos: tuple[Session, int] | None = None
         self.slot = -1
@@ -184,6 +204,23 @@ class _DecodeServer(_PrefillServer):
         self.mixed_step_s: float | None = None
 
 
+class _Router:
+    """One router: its own policy instance and its own load accounting, told of what it dispatched itself and
+    of the others' work as they last reported it."""
+
+    __slots__ = ("index", "load", "policy")
+
+    def __init__(self, index: int, policy: Policy, load: LoadTracker) -> None:
+        self.index = index
+        self.policy = policy
+        self.load = load
+
+    def views(self) -> tuple[list[ReplicaView], list[ReplicaView]]:
+        """What this router sees: its own dispatch accounting (`LoadTracker`, the live router's code), the
+        other routers' as of the last sync, and the decode replicas' KV usage as their engines report it."""
+        return self.load.views("prefill"), self.load.views("decode")
+
+
 class _Pin:
     """A finished turn's blocks a decode replica keeps for readback."""
 
@@ -196,23 +233,27 @@ class _Pin:
         self.live = True
 
 
-# Event kinds, ordered so that at equal times completions run before arrivals (frees capacity first).
-_PREFILL_DONE, _TRANSFER_DONE, _DECODE_CHECK, _ARRIVAL, _EXPORTED, _SLOT_START = range(6)
+# Event kinds, ordered so that at equal times completions run before arrivals (frees capacity first), and so
+# do the routers' load reports (an arrival at a sync's instant sees it).
+_PREFILL_DONE, _TRANSFER_DONE, _DECODE_CHECK, _SYNC, _ARRIVAL, _EXPORTED, _SLOT_START = range(7)
 
 
 class Simulator:
     def __init__(
         self,
         trace: Trace,
-        policy: Policy,
+        policy: Policy | Sequence[Policy],
         config: SimConfig,
         *,
         index_factory: Callable[[], tuple[CacheEvents, PrefixLookup]],
     ) -> None:
-        """`index_factory` builds the router-side index: the sink the caches' events go to and the lookup the
-        policy queries (normally one object, router.view.kv_index.KvIndex behind an adapter)."""
+        """`policy`: one per router (`config.routers`; with one router, the policy itself), each a fresh
+        instance. `index_factory` builds the router-side index: the sink the caches' events go to and the
+        lookup the policies query (normally one object, router.view.kv_index.KvIndex behind an adapter)."""
+        policies = list(policy) if isinstance(policy, Sequence) else [policy]
+        if len(policies) != config.routers:
+            raise ValueError(f"{len(policies)} policies for {config.routers} routers: give one per router")
         self.trace = trace
-        self.policy = policy
         self.cfg = config
         self.timing = config.timing
         self.block_tokens = trace.block_tokens
@@ -226,12 +267,9 @@ class Simulator:
             for i in range(config.decode_replicas)
         ]
         self._servers: dict[str, _PrefillServer] = {s.replica_id: s for s in [*self.prefill, *self.decode]}
-        # Every replica is its own node (see the module docstring).
-        self.load = LoadTracker(config.timing)
-        for s in self.prefill:
-            self.load.add_replica(s.replica_id, "prefill", node_id=s.replica_id)
-        for s in self.decode:
-            self.load.add_replica(s.replica_id, "decode", node_id=s.replica_id)
+        self.routers = [_Router(i, p, self._load_tracker()) for i, p in enumerate(policies)]
+        # Which router each request reaches (a stream of its own: the session order's is not disturbed).
+        self._router_rng = random.Random(f"routers/{config.seed}")
         self._heap: list[tuple[float, int, int, Any]] = []
         self._seq = 0
         self.now = 0.0
@@ -247,6 +285,15 @@ class Simulator:
         self.decide_s = 0.0
         self.decisions = 0
 
+    def _load_tracker(self) -> LoadTracker:
+        load = LoadTracker(self.cfg.timing)
+        # Every replica is its own node (see the module docstring).
+        for s in self.prefill:
+            load.add_replica(s.replica_id, "prefill", node_id=s.replica_id)
+        for s in self.decode:
+            load.add_replica(s.replica_id, "decode", node_id=s.replica_id)
+        return load
+
     # -- event plumbing ---------------------------------------------------------------------------------
     def _at(self, t: float, kind: int, payload: Any) -> None:
         self._seq += 1
@@ -254,6 +301,8 @@ class Simulator:
 
     def run(self) -> list[RequestRecord]:
         self._seed_arrivals()
+        if len(self.routers) > 1:
+            self._at(self.cfg.router_sync_s, _SYNC, None)
         while self._heap:
             t, kind, _, payload = heapq.heappop(self._heap)
             self.now = t
@@ -271,6 +320,8 @@ class Simulator:
                 server, version = payload
                 if version == server.version:
                     self._decode_check(server)
+            elif kind == _SYNC:
+                self._sync_routers()
             else:
                 self._start_next_session(payload)
         if self.window_end is None:
@@ -326,17 +377,27 @@ class Simulator:
         return _Job(r, route, rec)
 
     # -- routing -----------------------------------------------------------------------------------------
-    def views(self) -> tuple[list[ReplicaView], list[ReplicaView]]:
-        """What the router sees: its own dispatch accounting (`LoadTracker`, the live router's
-        code) plus the decode replicas' KV usage as their engines would report it."""
-        return self.load.views("prefill"), self.load.views("decode")
+    def _sync_routers(self) -> None:
+        """Every router publishes its work in flight and reads the others' (the registry's poll)."""
+        reports = [r.load.dispatched() for r in self.routers]
+        for i, router in enumerate(self.routers):
+            router.load.set_peers(reports[:i] + reports[i + 1 :])
+        if self._heap:  # anything left to happen: the routers keep polling
+            self._at(self.now + self.cfg.router_sync_s, _SYNC, None)
+
+    def _router_for(self) -> _Router:
+        """The router a request reaches: drawn at random per request when there are several."""
+        if len(self.routers) == 1:
+            return self.routers[0]
+        return self.routers[self._router_rng.randrange(len(self.routers))]
 
     def _report_kv_usage(self, server: _DecodeServer) -> None:
         cap = self.cfg.capacity_blocks
         # Pinned blocks are allocated, not free: the engine counts them as used.
         used = server.context_tokens + server.cache.pinned_blocks * self.block_tokens
         usage = 0.0 if cap is None else used / (cap * self.block_tokens)
-        self.load.update_kv_usage(server.replica_id, usage)
+        for router in self.routers:  # every router reads the engines' statistics
+            router.load.update_kv_usage(server.replica_id, usage)
         if cap is not None:
             self.pinned_peak = max(self.pinned_peak, server.cache.pinned_blocks / cap)
 
@@ -345,16 +406,18 @@ class Simulator:
         rec.arrival = self.now
         self.records.append(rec)
         job.route.readback = self._readback(job.trace_req, self.now)
-        p_views, d_views = self.views()
+        job.router = router = self._router_for()
+        rec.router = router.index
+        p_views, d_views = router.views()
         t0 = time.perf_counter()
-        decision = self.policy.choose(job.route, p_views, d_views, self.lookup)
+        decision = router.policy.choose(job.route, p_views, d_views, self.lookup)
         self.decide_s += time.perf_counter() - t0
         self.decisions += 1
         job.decision = decision
         rec.decode_replica = decision.decode
         rec.local_prefill = decision.local_prefill or decision.prefill is None or not self.prefill
         rec.predicted_cached_tokens = decision.predicted_cached_tokens
-        self.load.on_dispatch(job.route, decision)
+        router.load.on_dispatch(job.route, decision)
         if rec.local_prefill:
             self._enqueue(job)
             return
@@ -484,9 +547,9 @@ class Simulator:
 
     def _prefill_done(self, server: _PrefillServer) -> None:
         job = server.running
-        assert job is not None and job.decision is not None
+        assert job is not None and job.decision is not None and job.router is not None
         server.running = None
-        self.load.on_prefill_done(job.route.request_id)
+        job.router.load.on_prefill_done(job.route.request_id)
         if isinstance(server, _DecodeServer):
             self._advance_decode(server)  # at the mixed rate, until now
             server.mixed_step_s = None
@@ -548,15 +611,15 @@ class Simulator:
         self._reschedule_decode(server)
 
     def _finish(self, job: _Job) -> None:
-        assert job.decision is not None
+        assert job.decision is not None and job.router is not None
         job.rec.finish = self.now
         if self.cfg.readback_ttl_s is not None:
             self._pin(job)  # the finished sequence's blocks stay allocated for readback
         elif job.pinned:
             self._servers[job.rec.decode_replica].cache.unpin(job.trace_req.block_hashes)
         job.pinned = False
-        self.load.on_finish(job.route.request_id)
-        self.policy.on_finish(job.route, job.decision)
+        job.router.load.on_finish(job.route.request_id)
+        job.router.policy.on_finish(job.route, job.decision)
         if job.session_pos is None:
             return
         session, pos = job.session_pos

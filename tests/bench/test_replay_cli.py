@@ -52,6 +52,20 @@ def test_records_say_what_happened_to_every_request_of_every_policy(
     capsys.readouterr()
 
 
+def test_several_routers_reach_the_replay_and_the_report(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "records.json"
+    report = tmp_path / "report.json"
+    argv = [*SMALL, "--routers", "3", "--router-sync-s", "0.5", "--records", str(out), "--json", str(report)]
+    assert main(argv) == 0
+    assert "routers: 3, each request to one at random, load reports every 0.5 s" in capsys.readouterr().out
+    config = msgspec.json.decode(report.read_bytes())["config"]
+    assert (config["routers"], config["router_sync_s"]) == (3, 0.5)
+    records = msgspec.json.decode(out.read_bytes(), type=dict[str, list[RequestRecord]])
+    assert {r.router for r in records["pdserve"]} == {0, 1, 2}
+
+
 def test_a_bad_topology_is_refused_with_its_field_path(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -83,6 +97,8 @@ def test_a_trace_folder_without_sessions_is_refused_with_what_is_missing(
         (["--cache-frac", "1.5"], "argument --cache-frac: must be > 0 and <= 1, got 1.5"),
         (["--time-scale", "0"], "argument --time-scale: must be > 0, got 0"),
         (["--requests", "0"], "argument --requests: must be >= 1, got 0"),
+        (["--routers", "0"], "argument --routers: must be >= 1, got 0"),
+        (["--router-sync-s", "0"], "argument --router-sync-s: must be > 0, got 0"),
         (["--gap-scale", "ten"], "argument --gap-scale: expected float, got 'ten'"),
         (["--policies", "pdserve,sglang"], "argument --policies: unknown policies ['sglang']; known: ["),
         (["--traces-dir", "/nonexistent"], "argument --traces-dir: No such file or directory: /nonexistent/"),

@@ -12,8 +12,17 @@ from bench.replay.cache import LruBlockCache
 from bench.replay.index_feed import KvIndexFeed
 from bench.replay.load import refine
 from bench.replay.metrics import summarize
+from bench.replay.policies import available_policies
+from bench.replay.runner import replay_policy
 from bench.replay.sim import SimConfig, Simulator
-from bench.replay.traces import BlockHasher, Session, Trace, TraceRequest, infinite_cache_hit_ratio
+from bench.replay.traces import (
+    BlockHasher,
+    Session,
+    Trace,
+    TraceRequest,
+    infinite_cache_hit_ratio,
+    load_trace,
+)
 from router.messages import Decision, Readback, ReplicaView, RouteRequest
 from router.policy.types import PrefixLookup
 from router.service_time import ServiceTimeModel
@@ -73,8 +82,10 @@ def make_trace(
     closed_loop: bool,
     gaps: float = 0.0,
     arrivals: list[float] | None = None,
+    outputs: list[int] | None = None,
 ) -> Trace:
-    """`prompts[s][t]`: trace ids of session s, turn t (one id per block)."""
+    """`prompts[s][t]`: trace ids of session s, turn t (one id per block); `arrivals` and `outputs` (default
+    4 tokens) per request, in the same order."""
     hasher = BlockHasher(BLOCK, 1)
     sessions = []
     k = 0
@@ -88,7 +99,7 @@ def make_trace(
                     arrival_s=arrivals[k] if arrivals else 0.0,
                     gap_s=gaps if t else 0.0,
                     num_prompt_tokens=len(ids) * BLOCK + 1,
-                    num_output_tokens=4,
+                    num_output_tokens=outputs[k] if outputs else 4,
                     block_hashes=hasher.hashes(ids, len(ids), s),
                 )
             )
@@ -103,7 +114,9 @@ def make_trace(
     )
 
 
-def simulate(trace: Trace, cfg: SimConfig, policy: FirstReplicaPolicy | None = None) -> Simulator:
+def simulate(
+    trace: Trace, cfg: SimConfig, policy: FirstReplicaPolicy | Sequence[FirstReplicaPolicy] | None = None
+) -> Simulator:
     replica_ids = [f"p{i}" for i in range(cfg.prefill_replicas)] + [
         f"d{i}" for i in range(cfg.decode_replicas)
     ]
@@ -518,3 +531,127 @@ def test_prompts_behind_an_export_on_the_same_prefill_replica_keep_their_decisio
     exported, behind = recs["s0/1"], recs["s1/0"]
     assert exported.pulled_tokens == 3 * BLOCK
     assert exported.prefill_start > 10.0 and behind.prefill_start == pytest.approx(exported.prefill_end)
+
+
+# ---- several routers --------------------------------------------------------------------------------------
+
+
+class SeeingPolicy(FirstReplicaPolicy):
+    """Records, per request it decides, the active sequences its views show on d0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: dict[str, int] = {}
+
+    def choose(self, req, prefill, decode, cache):  # type: ignore[no-untyped-def]
+        self.seen[req.request_id] = decode[0].active_seqs
+        return super().choose(req, prefill, decode, cache)
+
+
+def test_each_router_decides_its_share_and_sees_the_others_work_from_the_sync_after_it() -> None:
+    # A long request at t=0 decodes on d0 for ~10 s; short probes (done in ~60 ms each) arrive before the
+    # routers' first sync (t=1) and after it. A probe at A's router sees A at once (its own dispatch); a probe
+    # at the other router sees it only once a sync has passed.
+    before = [0.2 + 0.1 * i for i in range(7)]
+    after = [1.2 + 0.1 * i for i in range(7)]
+    arrivals = [0.0, *before, *after]
+    trace = make_trace(
+        [[[1, 2, 3]]] + [[[100 + i]] for i in range(14)],
+        closed_loop=False,
+        arrivals=arrivals,
+        outputs=[1000] + [4] * 14,
+    )
+    policies = [SeeingPolicy(), SeeingPolicy()]
+    cfg = SimConfig(prefill_replicas=1, decode_replicas=1, routers=2, router_sync_s=1.0)
+    sim = simulate(trace, cfg, policies)
+    recs = {r.request_id: r for r in sim.records}
+    long_router = recs["s0/0"].router
+    assert recs["s0/0"].finish > 5.0  # in flight through every probe
+    other = [r for r in sim.records if r.router != long_router]
+    # Both routers decide requests, on both sides of the sync (seeded: the draw is the same every run).
+    assert any(r.arrival < 1.0 for r in other) and any(r.arrival > 1.0 for r in other)
+    assert any(r.router == long_router and r.request_id != "s0/0" for r in sim.records)
+    for i, policy in enumerate(policies):
+        mine = sorted(r.request_id for r in sim.records if r.router == i)
+        assert sorted(policy.seen) == mine  # each request decided by the router it reached
+        assert sorted(policy.finished) == mine  # and its on_finish back to that router
+    for r in sim.records:
+        if r.request_id == "s0/0":
+            continue
+        sees_long = r.router == long_router or r.arrival > 1.0
+        assert policies[r.router].seen[r.request_id] == int(sees_long), r
+
+
+def test_a_router_sees_the_others_work_only_as_of_the_last_sync() -> None:
+    # The long request finishes at ~10 s; with a sync every 4 s, the other router still counts it until the
+    # sync after its end.
+    arrivals = [0.0, *(0.25 * i + 0.1 for i in range(1, 60))]
+    trace = make_trace(
+        [[[1, 2, 3]]] + [[[100 + i]] for i in range(59)],
+        closed_loop=False,
+        arrivals=arrivals,
+        outputs=[1000] + [4] * 59,
+    )
+    policies = [SeeingPolicy(), SeeingPolicy()]
+    cfg = SimConfig(prefill_replicas=1, decode_replicas=1, routers=2, router_sync_s=4.0)
+    sim = simulate(trace, cfg, policies)
+    recs = {r.request_id: r for r in sim.records}
+    long = recs["s0/0"]
+    end = long.finish
+    synced_after_end = 4.0 * (end // 4.0 + 1)
+    checked = 0
+    for r in sim.records:
+        if r.router == long.router or r.request_id == "s0/0":
+            continue
+        expected = int(4.0 < r.arrival < synced_after_end)
+        assert policies[r.router].seen[r.request_id] == expected, (r, end)
+        checked += end < r.arrival < synced_after_end  # stale: finished, not yet reported
+    assert checked > 0
+
+
+def test_one_router_is_the_plain_replay() -> None:
+    # No syncs and no draws with one router: the records are the same whatever the sync period, and the
+    # policy may be given alone or as a list of one.
+    prompts = [[[1, 2, 3], [1, 2, 3, 4]], [[1, 5], [1, 5, 6, 7]], [[2, 3], [2, 3, 4, 8, 9]]]
+    trace = make_trace(prompts, closed_loop=True, gaps=0.5)
+    cfg = SimConfig(prefill_replicas=2, decode_replicas=2, capacity_blocks=4, concurrency=3)
+    plain = simulate(trace, cfg).records
+    for other in (
+        simulate(trace, msgspec.structs.replace(cfg, router_sync_s=0.01)).records,
+        simulate(trace, cfg, [FirstReplicaPolicy()]).records,
+    ):
+        assert msgspec.json.encode(other) == msgspec.json.encode(plain)
+    assert {r.router for r in plain} == {0}
+
+
+def test_a_policy_per_router_is_required() -> None:
+    trace = make_trace([[[1]]], closed_loop=False)
+    with pytest.raises(ValueError, match="2 routers"):
+        simulate(trace, SimConfig(prefill_replicas=1, decode_replicas=1, routers=2))
+    with pytest.raises(ValueError, match="routers >= 1"):
+        SimConfig(routers=0)
+
+
+def test_pdserve_behind_two_and_four_routers_keeps_the_hit_ratio_of_one() -> None:
+    # 24 Claude Code sessions on 4 + 4 replicas; every turn reaches a router drawn at random, so most of a
+    # session's turns reach a router that did not decide its previous one. Each router still finds the
+    # session's prefix in the shared KV index.
+    trace = load_trace("claude-code", block_tokens=512, limit=24, seed=3)
+    cfg = SimConfig(
+        prefill_replicas=4,
+        decode_replicas=4,
+        capacity_blocks=int(0.1 * trace.unique_blocks()),
+        concurrency=12,
+        gap_scale=0.4,
+        seed=3,
+    )
+    bound = infinite_cache_hit_ratio(trace)
+    pdserve = available_policies()["pdserve"]
+    one = replay_policy(trace, "pdserve", pdserve, cfg, bound)[0].hit_ratio
+    assert one > 0.95
+    for routers in (2, 4):
+        result, records = replay_policy(
+            trace, "pdserve", pdserve, msgspec.structs.replace(cfg, routers=routers), bound
+        )
+        assert {r.router for r in records} == set(range(routers))
+        assert result.hit_ratio == pytest.approx(one, rel=0.01)
