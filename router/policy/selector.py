@@ -40,11 +40,12 @@ _RATE_TOKENS = 8192
 
 
 class _Placement:
-    __slots__ = ("decode", "memo")
+    __slots__ = ("blocks", "decode", "memo")
 
-    def __init__(self, decode: str, memo: object | None) -> None:
-        self.decode = decode  # the decode replica of its latest turn
+    def __init__(self, decode: str, memo: object | None, blocks: int) -> None:
+        self.decode = decode  # the decode replica of its latest turn (that this router decided)
         self.memo = memo  # the prefix lookup's memo of its latest turn (MemoPrefixLookup)
+        self.blocks = blocks  # that turn's prompt blocks
 
 
 PLACEMENT = Part[_Placement]("placement")
@@ -107,7 +108,7 @@ class PdservePolicy:
             matched=matched,
         )
         pull = offer(req, decode, decs, matched, prompt.most) if pres else None
-        candidates, affinity = self._candidates(decs, session)
+        candidates, affinity = self._candidates(decs, session, matched)
         scorer = Scorer(self.weights, prompt, pull, continuing=session is not None)
         options = candidate_options(self.config, scorer, pres, candidates, self._balance)
         win = options[pick([o.decode for o in options], [o.total for o in options], self.recent)]
@@ -117,7 +118,7 @@ class PdservePolicy:
                 memo_cache.expect_stored(
                     memo, {win.computing.replica_id, win.decode.replica_id}, req.block_hashes
                 )
-            self._remember(req.session_id, session, win.decode.replica_id, memo)
+            self._remember(req.session_id, session, win.decode.replica_id, memo, len(req.block_hashes))
         return Decision(
             prefill=None if win.local else win.computing.replica_id,
             decode=win.decode.replica_id,
@@ -136,11 +137,17 @@ class PdservePolicy:
         return None  # session placement outlives requests; nothing per request to release
 
     def _candidates(
-        self, decs: list[ReplicaView], session: _Placement | None
+        self, decs: list[ReplicaView], session: _Placement | None, matched: dict[str, int]
     ) -> tuple[list[ReplicaView], bool]:
-        """The decode replicas to consider: the session's own unless overloaded, else every eligible one."""
+        """The decode replicas to consider: the session's own unless overloaded, else every eligible one.
+
+        The session's own is where its latest turn this router decided went, unless a decode replica holds
+        more of the prompt than that turn's: another router decided a later turn, and sent it there."""
         if self.config.session_affinity and session is not None:
             sticky = next((d for d in decs if d.replica_id == session.decode), None)
+            later = max(decs, key=lambda d: matched[d.replica_id])
+            if matched[later.replica_id] > session.blocks:
+                sticky = later
             if sticky is not None and not _overloaded(sticky, decs):
                 return [sticky], True
         return decs, False
@@ -165,13 +172,13 @@ class PdservePolicy:
         rw.add(dec.replica_id, out * w.timing.tpot_s(dec.active_seqs + 1, dec.active_context_tokens))
 
     def _remember(
-        self, session_id: str, entry: _Placement | None, decode_id: str, memo: object | None
+        self, session_id: str, entry: _Placement | None, decode_id: str, memo: object | None, blocks: int
     ) -> None:
         if entry is not None:
-            entry.decode, entry.memo = decode_id, memo
+            entry.decode, entry.memo, entry.blocks = decode_id, memo, blocks
             self.sessions.touch(session_id)
             return
-        entry = _Placement(decode_id, memo)
+        entry = _Placement(decode_id, memo, blocks)
         self.sessions.put(session_id, PLACEMENT, entry)
 
 

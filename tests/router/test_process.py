@@ -46,7 +46,7 @@ def test_the_router_section_reaches_the_policy_and_the_request_path(process: Rou
 
 def test_every_router_setting_applies_in_place(process: RouterProcess) -> None:
     # A session placed before the change keeps its state: nothing restarts.
-    process.policy._remember("s", None, "d0", None)
+    process.policy._remember("s", None, "d0", None, 0)
     assert process.policy.sessions is process.sessions
     changed = msgspec.convert(
         {
