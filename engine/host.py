@@ -133,6 +133,11 @@ class EngineHost:
         args = AsyncEngineArgs(**self._engine_kwargs())
         started = time.monotonic()
         self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[counters_logger_factory(self.counters)])
+        # vLLM reads its environment variables on its per-token path (os.environ each time) unless told they
+        # no longer change, as its engine core is: this process's were all set above, before the engine.
+        from vllm import envs
+
+        envs.enable_envs_cache()
         log.info(
             "%s engine %s ready in %.1f s (nixl side channel %s:%d, kv events %s)",
             self.spec.role,

@@ -65,48 +65,26 @@ class GeneratePath:
         time_remaining: Callable[[], float | None] = lambda: None,
     ) -> AsyncIterator[OutputDelta | Finished]:
         """The request's output, or RequestFailed. `raw`: its wire bytes (gRPC door); `time_remaining`: the
-        call's deadline, to tell an expiry from a cancel."""
+        call's deadline, to tell an expiry from a cancel. One generator, whose every step is a batch's:
+        the stages it calls are plain calls and the legs' stream."""
+        arrived = time.monotonic()
         code = grpc.StatusCode.OK
         self._metrics.inflight.inc()
         try:
-            async for event in self._generate(request, request_id, raw):
-                yield event
-        except RequestFailed as exc:
-            code = exc.code
-            raise
-        except Exception as exc:
-            code = grpc.StatusCode.INTERNAL
-            raise internal_error("Generate", request_id, exc) from exc
-        except asyncio.CancelledError:
-            # Client cancelled or the deadline passed: the door cancels this task; the legs cancel the
-            # engine calls on the way out.
-            remaining = time_remaining()
-            expired = remaining is not None and remaining <= 0
-            code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
-            raise
-        finally:
-            self._metrics.inflight.dec()
-            self._metrics.requests.labels(code=code.name).inc()
-
-    async def _generate(
-        self, request: pb.GenerateRequest, request_id: str, raw: bytes | None
-    ) -> AsyncIterator[OutputDelta | Finished]:
-        arrived = time.monotonic()
-        prompt = await self.intake.take(request, raw)
-        output = prompt.output
-        with RequestLifecycle(
-            self._decider,
-            self._metrics,
-            request_id=request_id,
-            session_id=prompt.session_id,
-            prompt=prompt.token_ids,
-            sampling=prompt.sampling,
-            reuse=prompt.reuse,
-            attempts=self._config.current.failover_attempts,
-            arrived=arrived,
-            tracer=self._tracer,
-        ) as lifecycle:
-            try:
+            prompt = await self.intake.take(request, raw)
+            output = prompt.output
+            with RequestLifecycle(
+                self._decider,
+                self._metrics,
+                request_id=request_id,
+                session_id=prompt.session_id,
+                prompt=prompt.token_ids,
+                sampling=prompt.sampling,
+                reuse=prompt.reuse,
+                attempts=self._config.current.failover_attempts,
+                arrived=arrived,
+                tracer=self._tracer,
+            ) as lifecycle:
                 lifecycle.admit()
                 async for event in self._legs.serve(lifecycle):
                     if isinstance(event, TokenBatch):
@@ -124,12 +102,28 @@ class GeneratePath:
                         finish_reason="tool_calls" if called else event.finish_reason,
                         completion=event,
                     )
-            except Overloaded as exc:
-                raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from exc
-            except NoReplicaError as exc:
-                raise RequestFailed(grpc.StatusCode.UNAVAILABLE, str(exc)) from exc
-            except ClientNotReading as exc:
-                raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from exc
+        except (Overloaded, ClientNotReading) as exc:
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED
+            raise RequestFailed(code, str(exc)) from exc
+        except NoReplicaError as exc:
+            code = grpc.StatusCode.UNAVAILABLE
+            raise RequestFailed(code, str(exc)) from exc
+        except RequestFailed as exc:
+            code = exc.code
+            raise
+        except Exception as exc:
+            code = grpc.StatusCode.INTERNAL
+            raise internal_error("Generate", request_id, exc) from exc
+        except asyncio.CancelledError:
+            # Client cancelled or the deadline passed: the door cancels this task; the legs cancel the
+            # engine calls on the way out.
+            remaining = time_remaining()
+            expired = remaining is not None and remaining <= 0
+            code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
+            raise
+        finally:
+            self._metrics.inflight.dec()
+            self._metrics.requests.labels(code=code.name).inc()
 
 
 def served_request_id(client_id: str) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -31,22 +31,12 @@ _FINISH = {
     "length": pb.FINISH_REASON_LENGTH,
     "tool_calls": pb.FINISH_REASON_TOOL_CALLS,
 }
+_GENERATE_REQUEST = pb.GenerateRequest.DESCRIPTOR.full_name
 _PATH = {
     "disaggregated": pb.SERVING_PATH_DISAGGREGATED,
     "local_prefill": pb.SERVING_PATH_LOCAL_PREFILL,
     "decode_full_prefill": pb.SERVING_PATH_DECODE_FULL_PREFILL,
 }
-
-
-class GenerateCall(NamedTuple):
-    """A Generate request as received: parsed, and its wire bytes."""
-
-    request: pb.GenerateRequest
-    raw: bytes
-
-    @classmethod
-    def parse(cls, raw: bytes) -> GenerateCall:
-        return cls(pb.GenerateRequest.FromString(raw), raw)
 
 
 class PdserveService(pb_grpc.PdserveServicer):
@@ -64,10 +54,12 @@ class PdserveService(pb_grpc.PdserveServicer):
         self._cluster_status = cluster_status
 
     async def Generate(
-        self, call: GenerateCall, context: grpc.aio.ServicerContext
+        self, raw: bytes, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        request_id = served_request_id(call.request.request_id)
-        events = self._path.run(call.request, request_id, raw=call.raw, time_remaining=context.time_remaining)
+        """Takes the request's wire bytes (a token-id session's next turn is recognised by them)."""
+        request = await _parse_or_abort(raw, pb.GenerateRequest.FromString, _GENERATE_REQUEST, context)
+        request_id = served_request_id(request.request_id)
+        events = self._path.run(request, request_id, raw=raw, time_remaining=context.time_remaining)
         try:
             async for event in events:
                 yield _response(request_id, event)
@@ -197,24 +189,26 @@ def _deny_handler() -> grpc.RpcMethodHandler:
 
 def add_pdserve_service(service: PdserveService, server: grpc.aio.Server) -> None:
     """What the generated `add_PdserveServicer_to_server` does, for every method of the service in the proto,
-    except that Generate's requests arrive as `GenerateCall` (parsed, with their wire bytes), and that a
-    request that does not parse (corrupt bytes, invalid UTF-8 in a string) gets INVALID_ARGUMENT: gRPC's own
-    deserializer would answer UNKNOWN with the parser's exception."""
+    except that requests arrive as wire bytes, parsed by the handler, so that a request that does not parse
+    (corrupt bytes, invalid UTF-8 in a string) gets INVALID_ARGUMENT (gRPC's own deserializer would answer
+    UNKNOWN with the parser's exception). Generate parses its own: it keeps the bytes, and a stream has no
+    wrapper to pass each message through."""
     desc = pb.DESCRIPTOR.services_by_name["Pdserve"]
     handlers = {}
     for m in desc.methods:
-        parse = GenerateCall.parse if m.name == "Generate" else getattr(pb, m.input_type.name).FromString
         method = getattr(service, m.name)
-        wrap = _parsed_stream if m.server_streaming else _parsed_unary
-        make = (
-            grpc.unary_stream_rpc_method_handler
-            if m.server_streaming
-            else grpc.unary_unary_rpc_method_handler
-        )
-        handlers[m.name] = make(
-            wrap(method, parse, m.input_type.full_name),
+        serialize = getattr(pb, m.output_type.name).SerializeToString
+        if m.server_streaming:
+            assert m.name == "Generate", f"{m.name}: a streaming method parses its own request"
+            handlers[m.name] = grpc.unary_stream_rpc_method_handler(
+                method, request_deserializer=None, response_serializer=serialize
+            )
+            continue
+        parse = getattr(pb, m.input_type.name).FromString
+        handlers[m.name] = grpc.unary_unary_rpc_method_handler(
+            _parsed_unary(method, parse, m.input_type.full_name),
             request_deserializer=None,  # the raw bytes: parsed in the handler
-            response_serializer=getattr(pb, m.output_type.name).SerializeToString,
+            response_serializer=serialize,
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(desc.full_name, handlers),))
     server.add_registered_method_handlers(desc.full_name, handlers)
@@ -232,15 +226,6 @@ async def _parse_or_abort(
 def _parsed_unary(method: Any, parse: Callable[[bytes], Any], type_name: str) -> Any:
     async def handler(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
         return await method(await _parse_or_abort(raw, parse, type_name, context), context)
-
-    return handler
-
-
-def _parsed_stream(method: Any, parse: Callable[[bytes], Any], type_name: str) -> Any:
-    async def handler(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        request = await _parse_or_abort(raw, parse, type_name, context)
-        async for message in method(request, context):
-            yield message
 
     return handler
 

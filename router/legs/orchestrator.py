@@ -202,10 +202,7 @@ class Orchestrator:
         ttft_ms = 0.0
         dispatched = first_at = time.monotonic()
         # aclosing: if our consumer stops early, the decode stream is cancelled now, not at GC time.
-        async with (
-            contextlib.aclosing(self._decode_leg(decode_req, route)) as leg,
-            contextlib.aclosing(self._releasing_unpulled_kv(leg, path, kv_params, route)) as batches,
-        ):
+        async with contextlib.aclosing(self._decode_leg(decode_req, route, path)) as batches:
             async for batch in batches:
                 if batch.token_ids and completion_tokens == 0:
                     first_at = time.monotonic()
@@ -246,31 +243,6 @@ class Orchestrator:
                 )
                 return
         raise RuntimeError(f"decode stream for {request_id} ended without a final batch")
-
-    async def _releasing_unpulled_kv(
-        self,
-        batches: AsyncIterator[TokenBatch],
-        path: ServingPath,
-        kv_params: dict[str, Any] | None,
-        route: Route,
-    ) -> AsyncGenerator[TokenBatch, None]:
-        """`batches`; if the decode leg ends before its first batch (cancelled, expired, its replica lost),
-        the prefill engine is told to free the prompt's KV now rather than when vLLM's lease runs out."""
-        pulled = path != "disaggregated"
-        avoid = route.avoid
-        try:
-            async for batch in batches:
-                pulled = True  # a first token: the decode engine has read the KV
-                yield batch
-        except LegFailed as exc:
-            avoid = (*avoid, exc.replica_id) if exc.replica_id else avoid  # a failed engine frees nothing
-            raise
-        finally:
-            if not pulled:
-                release = self._release(kv_params or {}, route.decode_replica, avoid)
-                task = asyncio.get_running_loop().create_task(release)
-                self._releases.add(task)
-                task.add_done_callback(self._releases.discard)
 
     async def _release(self, kv_params: dict[str, Any], replica: str | None, avoid: tuple[str, ...]) -> None:
         """Ask a decode replica (the chosen one, which may hold the request) to free `kv_params`' KV."""
@@ -344,14 +316,20 @@ class Orchestrator:
             log.warning("prefill leg of %s: %s", request_id, exc)
             raise LegFailed("prefill", exc.replica_id, exc.reason) from exc
 
-    async def _decode_leg(self, req: EngineRequest, route: Route) -> AsyncGenerator[TokenBatch, None]:
+    async def _decode_leg(
+        self, req: EngineRequest, route: Route, path: ServingPath
+    ) -> AsyncGenerator[TokenBatch, None]:
         """The decode leg: the replica pushes its batches to this router's token channel
-        (token_receiver.py); closing this cancels the leg, which aborts the engine request."""
+        (token_receiver.py); closing this cancels the leg, which aborts the engine request. If it ends before
+        its first batch (cancelled, expired, its replica lost) after a prefill leg handed off KV, the prefill
+        engine is told to free that KV now rather than when vLLM's lease runs out."""
         replica = route.decode_replica
-        if replica is None:
-            raise NoReplicaError("the route names no decode replica")
-        reply_to = self._tokens.open()
+        pulled = path != "disaggregated"
+        avoid = route.avoid
         try:
+            if replica is None:
+                raise NoReplicaError("the route names no decode replica")
+            reply_to = self._tokens.open()
             try:
                 call = self._legs.generate(req, reply_to, replica)
             except BaseException:
@@ -359,14 +337,23 @@ class Orchestrator:
                 raise
             async with contextlib.aclosing(self._tokens.stream(reply_to, call)) as batches:
                 async for batch in batches:
+                    pulled = True  # a first token: the decode engine has read the KV
                     yield batch
         except (ReplicaLost, ReplicaFailed) as exc:
             log.warning("decode leg of %s: %s", req.request_id, exc)
+            if exc.replica_id:
+                avoid = (*avoid, exc.replica_id)  # a failed engine frees nothing
             raise LegFailed("decode", exc.replica_id, exc.reason) from exc
         except ChannelLost as exc:
             log.warning("decode leg of %s: %s", req.request_id, exc)
             # The channel lost batches: not the replica's fault, so it is not reported as failed.
             raise LegFailed("decode", "", str(exc)) from exc
+        finally:
+            if not pulled:
+                release = self._release(req.kv_transfer_params or {}, replica, avoid)
+                task = asyncio.get_running_loop().create_task(release)
+                self._releases.add(task)
+                task.add_done_callback(self._releases.discard)
 
     def _handed_off_tokens(self, kv_params: dict[str, Any] | None, prompt_len: int) -> int:
         """Prompt tokens whose KV the prefill engine handed off (its block ids x block size)."""

@@ -4,6 +4,8 @@ Grafana dashboard in deploy/observability/ queries only metrics this exports."""
 
 from __future__ import annotations
 
+import pytest
+
 from dashboard import dashboard_metrics
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -119,10 +121,20 @@ def test_the_routers_queue_follows_its_dispatches() -> None:
 
 def test_inter_token_latency_counts_every_token_of_a_streamed_message() -> None:
     metrics = RouterMetrics()
-    metrics.observe_itl(0.08, 4)  # four tokens in one message, 80 ms after the previous one
+    metrics.observe_itl(0.08, 4)  # four tokens in one message, 80 ms after the previous one: 20 ms each
+    metrics.observe_itl(0.001, 1)
+    metrics.observe_itl(5.0, 1)  # above every bucket
     got = scrape(metrics)
-    assert got["pdserve_itl_seconds_count"] == [({}, 4.0)]
-    assert got["pdserve_itl_seconds_sum"][0][1] == 0.08
+    assert got["pdserve_itl_seconds_count"] == [({}, 6.0)]
+    assert got["pdserve_itl_seconds_sum"][0][1] == pytest.approx(5.081)
+    buckets = {labels["le"]: n for labels, n in got["pdserve_itl_seconds_bucket"]}
+    assert (buckets["0.001"], buckets["0.01"], buckets["0.02"], buckets["1.28"], buckets["+Inf"]) == (
+        1.0,
+        1.0,
+        5.0,  # cumulative, and a bound holds what equals it
+        5.0,
+        6.0,
+    )
 
 
 def test_every_dashboard_query_names_a_metric_the_router_exports() -> None:
