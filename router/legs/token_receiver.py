@@ -5,6 +5,7 @@ sorted into.
 A leg is started on its replica with this receiver's address as `reply_to` (router/legs/leg_channel.py). A
 decode leg's tokens come here, then its LegEnd (how many batches it sent, or its failure); a prefill leg sends
 only its LegEnd. The leg's call (a LegCall) resolves with that end; cancelling it aborts the engine request.
+Batches that wait for a slow reader are handed on as one.
 """
 
 from __future__ import annotations
@@ -142,6 +143,10 @@ class TokenReceiver:
             while True:
                 if inbox.batches:
                     batch = inbox.batches.popleft()
+                    while inbox.batches and batch.finish_reason is None:
+                        # The client reads slower than the engine streams (a busy router): one message
+                        # for what waits, not a message per engine batch.
+                        batch = _joined(batch, inbox.batches.popleft())
                     if batch.finish_reason is not None:
                         finished = True
                     yield batch
@@ -210,6 +215,15 @@ class TokenReceiver:
             self._loop.remove_reader(self._fd)
         self._sock.close(linger=0)
         unlink(self.address)
+
+
+def _joined(first: TokenBatch, then: TokenBatch) -> TokenBatch:
+    """Two consecutive batches of one leg as one: `then`'s fields (a final batch's end, its replica), the
+    tokens, text and log probabilities of both."""
+    logprobs = None if then.logprobs is None else (first.logprobs or []) + then.logprobs
+    return msgspec.structs.replace(
+        then, token_ids=first.token_ids + then.token_ids, text=first.text + then.text, logprobs=logprobs
+    )
 
 
 async def _result(call: Awaitable[Any]) -> int:

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from engine.messages import ReplicaFailed, ReplyTo, TokenBatch, TokenFrame, TokenItem
+from engine.messages import ReplicaFailed, ReplyTo, TokenBatch, TokenFrame, TokenItem, TokenLogprob
 from engine.token_sender import TokenSender
 from router.errors import ClientNotReading
 from router.legs import token_receiver
@@ -160,3 +160,21 @@ async def test_a_client_that_stops_reading_has_its_leg_ended(
     with pytest.raises(ClientNotReading, match="8 batches"):
         async for _ in stream:
             pass
+
+
+async def test_batches_that_wait_for_the_reader_are_handed_on_as_one(
+    channel: tuple[TokenSender, TokenReceiver],
+) -> None:
+    sender, receiver = channel
+    reply_to, call = leg(sender, receiver, engine(6))
+    await call  # all six sent before the reader reads: they wait in the leg's inbox
+    await asyncio.sleep(0.05)
+    got = [b async for b in receiver.stream(reply_to, call)]
+    assert [(b.token_ids, b.finish_reason) for b in got] == [([0, 1, 2, 3, 4, 5], "length")]
+    with_logprobs = [
+        TokenBatch(token_ids=[1], text="a", logprobs=[TokenLogprob(1, "a", -0.5, [])]),
+        TokenBatch(token_ids=[2], text="b", replica_id="D1", logprobs=[TokenLogprob(2, "b", -0.1, [])]),
+    ]
+    joined = token_receiver._joined(*with_logprobs)
+    assert (joined.token_ids, joined.text, joined.replica_id) == ([1, 2], "ab", "D1")
+    assert [lp.token_id for lp in joined.logprobs or []] == [1, 2]
