@@ -253,7 +253,8 @@ class EventSink(Protocol):
 class KvEventSubscriber:
     """Subscribes to one engine's KV event publisher and applies its events to `index` under `replica_id`.
 
-    Lost batches (a sequence gap) are fetched from the publisher's replay socket; when they cannot be (no
+    A subscriber that starts after its engine first reads what the publisher's replay buffer holds. Lost
+    batches (a sequence gap) are fetched from the publisher's replay socket; when they cannot be (no
     replay endpoint, timeout, or the replay buffer no longer holds them) the replica is cleared, because an
     index that missed removals would promise cache hits the engine cannot give (the safe error is to
     under-predict). A sequence that goes backwards is an engine restart: the replica is cleared and the new
@@ -298,6 +299,8 @@ class KvEventSubscriber:
         self._sub = sub
         self._connected.set()
         try:
+            if self.replay_endpoint:
+                await self._catch_up()
             while True:
                 frames = await sub.recv_multipart()
                 await self._on_message(frames)
@@ -333,6 +336,29 @@ class KvEventSubscriber:
             if self._seq.last >= batch.seq:
                 return  # the replay delivered this batch too
         self._apply(batch)
+
+    async def _catch_up(self) -> None:
+        """What the engine published before this subscriber started (a router that starts after its engines,
+        or replaces one that died): every batch the publisher's replay buffer still holds. Live batches that
+        the replay also delivered are then duplicates; any lost between the two are a gap, fetched then."""
+        replayed = await self._fetch_replay(0)
+        if not replayed:
+            return  # nothing published yet (or no answer: the first live batch's gap asks again)
+        if replayed[0].seq != 0:
+            # The engine has run longer than its buffer: blocks stored before it are not known here (the
+            # safe error: a cache hit under-predicted, never promised).
+            self.stats.unrecoverable_gaps += 1
+            logger.info(
+                "replica %s: KV events before %d are no longer buffered; following from there",
+                self.replica_id,
+                replayed[0].seq,
+            )
+        self._seq.last = replayed[0].seq - 1
+        for batch in replayed:
+            if batch.seq == self._seq.last + 1:
+                self.stats.replayed_batches += 1
+                self._apply(batch)
+        self._seq.replayed(-1)
 
     async def _recover(self, trigger_seq: int) -> None:
         """Fetch batches last+1 .. trigger_seq from the replay socket and apply them."""

@@ -20,6 +20,7 @@ from router.view.kv_events import (
     SeqVerdict,
     decode_message,
     decode_payload,
+    decode_seq,
 )
 from router.view.kv_index import KvIndex
 
@@ -209,7 +210,7 @@ async def _subscribed(
     return sub, task
 
 
-async def test_subscriber_replays_missed_batches_and_handles_restart() -> None:
+async def test_a_late_subscriber_reads_what_the_engine_published_before_it_started() -> None:
     port, rport = free_port(), free_port()
     index = KvIndex(BS)
     pub = _publisher(port, rport)
@@ -220,12 +221,42 @@ async def test_subscriber_replays_missed_batches_and_handles_restart() -> None:
         pub.publish(b)
         await _sent(pub)
         sub, task = await _subscribed(index, port, rport)
+        # Caught up at once from the replay buffer, with no live batch to show a gap.
+        await _wait_for(lambda: index.matched_blocks(hb, ["r0"])["r0"] == 2)
+        assert index.matched_blocks(ha, ["r0"])["r0"] == 2
+        assert sub.stats.gaps == 0 and sub.stats.replayed_batches == 2 and sub._seq.last == 1
         c, hc = _prompt_event(3)
-        pub.publish(c)  # seq 2 arrives live: gap 0..1 -> replay
+        pub.publish(c)  # seq 2 arrives live: applied, no gap
         await _wait_for(lambda: index.matched_blocks(hc, ["r0"])["r0"] == 2)
-        assert index.matched_blocks(ha, ["r0"])["r0"] == 2 and index.matched_blocks(hb, ["r0"])["r0"] == 2
-        assert sub.stats.gaps == 1 and sub.stats.unrecoverable_gaps == 0 and sub.stats.replayed_batches == 3
-        assert sub._seq.last == 2
+        assert sub.stats.gaps == 0 and sub.stats.duplicates == 0 and sub._seq.last == 2
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    finally:
+        pub.shutdown()
+
+
+async def test_subscriber_replays_missed_batches_and_handles_restart() -> None:
+    port, rport = free_port(), free_port()
+    index = KvIndex(BS)
+    pub = _publisher(port, rport)
+    try:
+        sub, task = await _subscribed(index, port, rport)
+        received = sub._on_message
+
+        async def losing_seq_1(frames: list[bytes]) -> None:  # the network loses one batch
+            if decode_seq(frames[1]) != 1:
+                await received(frames)
+
+        sub._on_message = losing_seq_1  # type: ignore[method-assign]
+        a, ha = _prompt_event(1)
+        b, hb = _prompt_event(2)
+        for event in (_prompt_event(7)[0], a, b):
+            pub.publish(event)  # seq 0, 1 (lost), 2: the gap is fetched from the replay socket
+        await _wait_for(lambda: index.matched_blocks(hb, ["r0"])["r0"] == 2)
+        assert index.matched_blocks(ha, ["r0"])["r0"] == 2
+        assert sub.stats.gaps == 1 and sub.stats.unrecoverable_gaps == 0 and sub._seq.last == 2
+        sub._on_message = received  # type: ignore[method-assign]
 
         # Engine restart: a new publisher on the same ports starts again at seq 0.
         pub.shutdown()
@@ -257,10 +288,15 @@ async def test_subscriber_clears_replica_when_replay_buffer_lost_the_range() -> 
             pub.publish(_prompt_event(s)[0])  # seq 0..2, only seq 2 stays in the 1-deep buffer
         await _sent(pub)
         sub, task = await _subscribed(index, port, rport)
+        # Caught up from seq 2 (0 and 1 are gone): what it knows it follows from there.
+        h2 = _prompt_event(3)[1]
+        await _wait_for(lambda: index.matched_blocks(h2, ["r0"])["r0"] == 2)
+        assert index.matched_blocks(_prompt_event(1)[1], ["r0"])["r0"] == 0
+        assert sub.stats.unrecoverable_gaps == 1 and sub._seq.last == 2
         ev, h = _prompt_event(9)
-        pub.publish(ev)  # seq 3 live; replay from 0 yields only seq 3
+        pub.publish(ev)  # seq 3 live
         await _wait_for(lambda: index.matched_blocks(h, ["r0"])["r0"] == 2)
-        assert sub.stats.unrecoverable_gaps == 1 and sub._seq.last == 3
+        assert sub._seq.last == 3 and sub.stats.gaps == 0
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
