@@ -29,7 +29,7 @@ from engine.messages import (
 )
 from engine.model_source import resolve_model_dir
 from engine.spec import EngineSpec
-from engine.stats import EngineCounters, counters_logger_factory
+from engine.stats import EngineCounters, counters_logger_factory, unexported_prometheus_logger
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +132,8 @@ class EngineHost:
 
         args = AsyncEngineArgs(**self._engine_kwargs())
         started = time.monotonic()
-        self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[counters_logger_factory(self.counters)])
+        loggers: list[Any] = [counters_logger_factory(self.counters), unexported_prometheus_logger()]
+        self._llm = AsyncLLM.from_engine_args(args, stat_loggers=loggers)
         # vLLM reads its environment variables on its per-token path (os.environ each time) unless told they
         # no longer change, as its engine core is: this process's were all set above, before the engine.
         from vllm import envs

@@ -85,3 +85,31 @@ def counters_logger_factory(counters: EngineCounters) -> Callable[..., Any]:
             return None
 
     return _CountersLogger
+
+
+def unexported_prometheus_logger() -> type:
+    """A vLLM stat logger that takes the place of vLLM's own Prometheus logger and does nothing.
+
+    vLLM adds a PrometheusStatLogger to every AsyncLLM unless one is given: it observes per-token histograms
+    at every engine step into this process's prometheus registry, which nothing serves in a replica (the
+    router exports the engines' statistics from `EngineCounters`, via the registry). Given this one, vLLM
+    adds none, and the replica spends no CPU per token on metrics nobody reads."""
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+    class _Unexported(PrometheusStatLogger):
+        def __init__(self, vllm_config: Any, engine_indexes: list[int] | None = None) -> None:
+            pass  # PrometheusStatLogger's own would register every metric
+
+        def record(self, *args: Any, **kwargs: Any) -> None:
+            return None
+
+        def record_admission_rejection(self, reason: str) -> None:
+            return None
+
+        def record_sleep_state(self, *args: Any, **kwargs: Any) -> None:
+            return None
+
+        def log_engine_initialized(self) -> None:
+            return None
+
+    return _Unexported
