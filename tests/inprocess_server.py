@@ -88,6 +88,7 @@ def _decode_pool(
         *first, (last_ids, last_text) = pieces
         for ids, text in first:
             yield TokenBatch(token_ids=ids, text=text, replica_id="D1")
+            await asyncio.sleep(0.005)  # an engine step: the router sends each batch as it comes
         yield TokenBatch(
             token_ids=last_ids,
             text=last_text,

@@ -33,7 +33,7 @@ from itertools import islice
 import msgspec
 
 from router.block_hash import hash_blocks
-from router.view.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from router.view.kv_event_wire import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 
 DEFAULT_MEDIA: frozenset[str | None] = frozenset({None, "GPU"})
 

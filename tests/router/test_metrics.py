@@ -5,7 +5,6 @@ Grafana dashboard in deploy/observability/ queries only metrics this exports."""
 from __future__ import annotations
 
 import pytest
-
 from dashboard import dashboard_metrics
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families

@@ -10,18 +10,16 @@ from ports import free_port
 from vllm.distributed import kv_events as vllm_ev
 
 from router.block_hash import hash_blocks
-from router.view.kv_events import (
+from router.view.kv_event_wire import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KvEventDecodeError,
-    KvEventSubscriber,
-    SequenceTracker,
-    SeqVerdict,
     decode_message,
     decode_payload,
     decode_seq,
 )
+from router.view.kv_events import KvEventSubscriber, SequenceTracker, SeqVerdict
 from router.view.kv_index import KvIndex
 
 BS = 16

@@ -11,7 +11,7 @@ import random
 import pytest
 
 from router.block_hash import hash_blocks
-from router.view.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from router.view.kv_event_wire import AllBlocksCleared, BlockRemoved, BlockStored
 from router.view.kv_index import KvIndex
 
 BS = 4
