@@ -108,6 +108,8 @@ class RouteRequest(msgspec.Struct, kw_only=True):
     # KV export: any decode replica pins a prefix it holds in its prefix cache, on request, for this many
     # seconds, for a prefill replica to pull (None: off; only `readback` can be pulled).
     export_ttl_s: float | None = None
+    # Other routers serve the cluster too: the session's latest turn may be one another router placed.
+    other_routers: bool = False
 
 
 class Decision(msgspec.Struct, kw_only=True):

@@ -366,6 +366,7 @@ class Simulator:
             block_size=self.block_tokens,
             max_tokens=r.num_output_tokens,
             export_ttl_s=self.cfg.readback_ttl_s if self.cfg.readback_exports else None,
+            other_routers=self.cfg.routers > 1,
         )
         rec = RequestRecord(
             request_id=r.request_id,

@@ -86,6 +86,7 @@ class Decider:
             max_tokens=sampling.max_tokens,
             readback=None if offer is None else offer.readback,
             export_ttl_s=None if pulls is None else pulls.export_ttl_s,
+            other_routers=bool(self._view.peers),
         )
         prefill = self._view.load.views("prefill") if self._has_prefill else []
         decode = self._view.load.views("decode")

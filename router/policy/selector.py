@@ -108,7 +108,7 @@ class PdservePolicy:
             matched=matched,
         )
         pull = offer(req, decode, decs, matched, prompt.most) if pres else None
-        candidates, affinity = self._candidates(decs, session, matched)
+        candidates, affinity = self._candidates(decs, session, matched if req.other_routers else None)
         scorer = Scorer(self.weights, prompt, pull, continuing=session is not None)
         options = candidate_options(self.config, scorer, pres, candidates, self._balance)
         win = options[pick([o.decode for o in options], [o.total for o in options], self.recent)]
@@ -137,17 +137,21 @@ class PdservePolicy:
         return None  # session placement outlives requests; nothing per request to release
 
     def _candidates(
-        self, decs: list[ReplicaView], session: _Placement | None, matched: dict[str, int]
+        self, decs: list[ReplicaView], session: _Placement | None, matched: dict[str, int] | None
     ) -> tuple[list[ReplicaView], bool]:
         """The decode replicas to consider: the session's own unless overloaded, else every eligible one.
 
-        The session's own is where its latest turn this router decided went, unless a decode replica holds
-        more of the prompt than that turn's: another router decided a later turn, and sent it there."""
+        The session's own is where its latest turn this router decided went. With other routers (`matched`
+        given: each decode replica's blocks of the prompt), a decode replica holding strictly more of the
+        prompt than both that turn and that replica is the session's own instead: another router decided a
+        later turn and sent it there. One router decided every turn: its own placement stands."""
         if self.config.session_affinity and session is not None:
             sticky = next((d for d in decs if d.replica_id == session.decode), None)
-            later = max(decs, key=lambda d: matched[d.replica_id])
-            if matched[later.replica_id] > session.blocks:
-                sticky = later
+            if matched is not None:
+                held = max(session.blocks, matched[sticky.replica_id] if sticky is not None else 0)
+                later = max(decs, key=lambda d: matched[d.replica_id])
+                if matched[later.replica_id] > held:
+                    sticky = later
             if sticky is not None and not _overloaded(sticky, decs):
                 return [sticky], True
         return decs, False

@@ -221,22 +221,28 @@ def test_session_escapes_an_overloaded_decode_replica(busy) -> None:  # type: ig
     assert again.decode == "d0"
 
 
-def test_a_session_follows_a_later_turn_another_router_placed() -> None:
+def test_with_other_routers_a_session_follows_a_later_turn_another_router_placed() -> None:
     # This router placed the session's turn of 2048 tokens (128 blocks) on d1; another router then sent a
-    # later turn to d0. d0 holds more of this prompt than that turn had: it holds the later turn, and the
+    # later turn to d0. d0 holds more of this prompt than that turn and d1: it holds the later turn, and the
     # session goes there by affinity, though d0 is the busier.
-    pol = PdservePolicy()
-    first = choose([view("p0")], [view("d0", "decode"), view("d1", "decode")], {"d1": 1}, 2048, "s", pol)
-    assert first.decode == "d1"
-    decs = [view("d0", "decode", active=3), view("d1", "decode")]
-    nxt = choose([view("p0")], decs, {"d0": 200, "d1": 128}, session="s", policy=pol)
-    assert nxt.decode == "d0" and nxt.reason.startswith("affinity_")
-    # A replica holding no more than the turn this router placed there does not take the session.
-    pol = PdservePolicy()
-    choose([view("p0")], [view("d0", "decode"), view("d1", "decode")], {"d1": 1}, 2048, "s", pol)
-    decs = [view("d0", "decode"), view("d1", "decode", active=3)]
-    nxt = choose([view("p0")], decs, {"d0": 128, "d1": 100}, session="s", policy=pol)
-    assert nxt.decode == "d1" and nxt.reason.startswith("affinity_")
+    def next_turn(blocks: dict[str, int], decs: list[object], others: bool) -> object:
+        pol = PdservePolicy()
+        first = choose([view("p0")], [view("d0", "decode"), view("d1", "decode")], {"d1": 1}, 2048, "s", pol)
+        assert first.decode == "d1"
+        req = msgspec.structs.replace(request(4096, "s"), other_routers=others)
+        return pol.choose(req, [view("p0")], decs, FixedLookup(blocks))  # type: ignore[arg-type]
+
+    busy_d0 = [view("d0", "decode", active=3), view("d1", "decode")]
+    moved = next_turn({"d0": 200, "d1": 130}, busy_d0, others=True)
+    assert moved.decode == "d0" and moved.reason.startswith("affinity_")  # type: ignore[attr-defined]
+    # One router placed every turn of the session: its own placement stands.
+    stays = next_turn({"d0": 200, "d1": 130}, busy_d0, others=False)
+    assert stays.decode == "d1" and stays.reason.startswith("affinity_")  # type: ignore[attr-defined]
+    # No more than the turn this router placed, or than its replica holds (a tie): the session stays.
+    busy_d1 = [view("d0", "decode"), view("d1", "decode", active=3)]
+    for blocks in ({"d0": 128, "d1": 100}, {"d0": 140, "d1": 140}):
+        stays = next_turn(blocks, busy_d1, others=True)
+        assert stays.decode == "d1" and stays.reason.startswith("affinity_")  # type: ignore[attr-defined]
 
 
 def test_affinity_can_be_disabled() -> None:
