@@ -1,11 +1,12 @@
 """A replica as it lists itself in the registry (engine.messages.ReplicaInfo), for tests of the router and the
-registry that need one without an engine."""
+registry that need one without an engine; and an engine replica's spec for the built-in tiny model."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from engine.messages import ReplicaInfo
+from engine.spec import EngineSpec
 
 
 def replica_info(replica_id: str, role: str = "decode", **fields: Any) -> ReplicaInfo:
@@ -19,3 +20,17 @@ def replica_info(replica_id: str, role: str = "decode", **fields: Any) -> Replic
         "block_size": 32,
     }
     return ReplicaInfo(replica_id=replica_id, role=role, **{**base, **fields})  # type: ignore[arg-type]
+
+
+def tiny_spec(role: str = "decode", **fields: Any) -> EngineSpec:
+    """An engine replica's spec for the built-in tiny model (the test double unless `engine` says otherwise);
+    `fields` override (block_size, engine, hang_timeout_s, kv_readback_ttl_s, ...)."""
+    base: dict[str, Any] = {
+        "engine": "double",
+        "model_source": "builtin:tiny-llama",
+        "served_name": "tiny-llama",
+        "block_size": 32,
+        "dtype": "float32",
+        "max_model_len": 2048,
+    }
+    return EngineSpec(role=role, **{**base, **fields})  # type: ignore[arg-type]

@@ -6,25 +6,16 @@ from __future__ import annotations
 import asyncio
 
 from decode_pool import token_receiver
+from replicas import tiny_spec
 
 from decode.decode_replica import DecodeReplica
 from engine.double import DoubleEngineHost, double_tokens
 from engine.messages import EngineRequest, Sampling
-from engine.spec import EngineSpec
 from engine.token_sender import TokenSender
 
 
 def server() -> DecodeReplica:
-    spec = EngineSpec(
-        role="decode",
-        engine="double",
-        model_source="builtin:tiny-llama",
-        served_name="tiny-llama",
-        block_size=4,
-        dtype="float32",
-        max_model_len=2048,
-        kv_readback_ttl_s=60,
-    )
+    spec = tiny_spec("decode", block_size=4, kv_readback_ttl_s=60)
     s = object.__new__(DecodeReplica)  # the Serve constructor needs a running replica context
     s.host = DoubleEngineHost(spec, replica_id="d1", node_id="node-1", node_ip="127.0.0.1")
     s.host.start()

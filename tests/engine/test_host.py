@@ -6,6 +6,7 @@ import socket
 from typing import Any
 
 import pytest
+from replicas import tiny_spec
 
 from engine.host import EngineHost, free_ports
 from engine.messages import EngineRequest, ReplicaFailed, Sampling
@@ -72,17 +73,7 @@ class _StandInLLM:
 
 
 def _host(hang_timeout_s: float) -> tuple[EngineHost, _StandInLLM]:
-    from engine.spec import EngineSpec
-
-    spec = EngineSpec(
-        role="decode",
-        model_source="builtin:tiny-llama",
-        served_name="tiny-llama",
-        block_size=32,
-        dtype="float32",
-        max_model_len=2048,
-        hang_timeout_s=hang_timeout_s,
-    )
+    spec = tiny_spec("decode", engine="vllm", hang_timeout_s=hang_timeout_s)
     host = EngineHost(spec, replica_id="d1", node_id="n1", node_ip="127.0.0.1")
     host._llm = llm = _StandInLLM()
     return host, llm

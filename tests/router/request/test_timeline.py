@@ -17,13 +17,12 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import Tracer
-from replicas import replica_info
+from replicas import replica_info, tiny_spec
 
 from decode.decode_replica import DecodeReplica
 from engine.double import DoubleEngineHost
 from engine.leg_server import LegServer
 from engine.messages import EngineRequest, ReplicaFailed
-from engine.spec import EngineSpec
 from engine.tiny_model import ensure_tiny_model
 from engine.token_sender import TokenSender
 from pdserve_client.api import pdserve_pb2 as pb
@@ -52,15 +51,7 @@ def tracer(exporter: InMemorySpanExporter, service: str) -> Tracer:
 
 
 def replica(cls: type[Any], role: str, spans: Tracer) -> Any:
-    spec = EngineSpec(
-        role=role,  # type: ignore[arg-type]
-        engine="double",
-        model_source="builtin:tiny-llama",
-        served_name="tiny-llama",
-        block_size=32,
-        dtype="float32",
-        max_model_len=2048,
-    )
+    spec = tiny_spec(role)
     r = object.__new__(cls)  # the Serve constructor needs a running replica context
     r.host = DoubleEngineHost(spec, replica_id=f"{role}-1", node_id="n", node_ip="127.0.0.1")
     r.host.start()
