@@ -122,7 +122,11 @@ def test_a_fresh_machine_starts_serves_and_stops_a_cluster(fresh: tuple[Path, di
         status = cluster.cli("status", "--json", timeout=60)
         assert status.returncode == 0, status.stderr
         assert status.stderr == ""  # no Ray INFO lines around the answer
-        assert sorted(r["role"] for r in json.loads(status.stdout)["replicas"]) == ["decode", "prefill"]
+        assert sorted(r["role"] for r in json.loads(status.stdout)["replicas"]) == [
+            "decode",
+            "prefill",
+            "router",
+        ]
     finally:
         down = cluster.down()
     assert down.returncode == 0, down.stderr

@@ -94,16 +94,19 @@ def plain(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PlainCluster]:
 
 
 def serving(plain: PlainCluster) -> dict[str, Any]:
-    """Wait until every engine replica is RUNNING and ready in the registry, as status reports it."""
+    """Wait until every engine replica is RUNNING and ready in the registry, and the router serves, as status
+    reports them."""
     deadline = time.monotonic() + UP_TIMEOUT_S
     last: Any = None
     while time.monotonic() < deadline:
         last = plain.status()
         if last.returncode == 0:
             status = json.loads(last.stdout)
-            rows = status["replicas"]
-            ready = all(r["state"] == "RUNNING" and r["registry"] == "ready" for r in rows)
-            if status["app_status"] == "RUNNING" and len(rows) == 2 and ready:
+            engines = [r for r in status["replicas"] if r["role"] != "router"]
+            routers = [r for r in status["replicas"] if r["role"] == "router"]
+            ready = all(r["state"] == "RUNNING" and r["registry"] == "ready" for r in engines)
+            serving = [r["registry"] for r in routers] == ["serving"]
+            if status["app_status"] == "RUNNING" and len(engines) == 2 and ready and serving:
                 return dict(status)
         time.sleep(3)
     raise AssertionError(f"not serving after {UP_TIMEOUT_S} s: {last.stdout[-1500:]} {last.stderr[-1500:]}")
@@ -118,7 +121,7 @@ def test_an_exported_application_serves_and_the_cli_runs_it_through_the_dashboar
 
     status = serving(plain)
     assert status["registry_unread"] == ""  # read through the router's endpoint
-    assert sorted(r["role"] for r in status["replicas"]) == ["decode", "prefill"]
+    assert sorted(r["role"] for r in status["replicas"]) == ["decode", "prefill", "router"]
 
     # A request through the router the application runs (no `pdserve up` anywhere).
     answer = plain.pdserve(
