@@ -26,10 +26,14 @@ PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
 # prefilled on the decode replica that holds its context. disaggregate: always prefill on a prefill replica
 # (a decode replica prefills only when no prefill replica can).
 RouterMode = Literal["auto", "disaggregate"]
+# pdserve: the cost-based choice (router/policy/selector.py). round_robin, least_loaded: cache-blind baselines
+# (router/policy/cache_blind.py) to measure pdserve's routing against on a live cluster, not to serve with.
+RouterPolicy = Literal["pdserve", "round_robin", "least_loaded"]
 
 
 class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     mode: RouterMode = "auto"
+    policy: RouterPolicy = "pdserve"
     # An uncached suffix at most this long is prefilled by the decode replica holding the rest (no KV move);
     # a longer one only when that costs less than the prefill hop (the H200 example's value; the replay
     # evaluates it).

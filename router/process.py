@@ -39,7 +39,9 @@ from router.legs.leg_channel import LegChannel
 from router.legs.orchestrator import Orchestrator
 from router.legs.token_receiver import TokenReceiver
 from router.metrics import RouterMetrics
+from router.policy.cache_blind import LeastLoadedPolicy, RoundRobinPolicy
 from router.policy.selector import PdservePolicy
+from router.policy.types import Policy
 from router.sessions import Sessions
 from router.view.cluster_view import ClusterView
 
@@ -74,6 +76,12 @@ class RouterProcess:
         # Everything kept about a session between its turns, by every part of the router, one bound.
         self.sessions = Sessions.of(router)
         self.policy = PdservePolicy(router, sessions=self.sessions)
+        # The policy deciding: pdserve's, or a cache-blind baseline the topology asks for (benchmarks only).
+        self._policies: dict[str, Policy] = {
+            "pdserve": self.policy,
+            "round_robin": RoundRobinPolicy(),
+            "least_loaded": LeastLoadedPolicy(),
+        }
         self.view = ClusterView(
             self._registry,
             block_size=model.block_size,
@@ -100,7 +108,7 @@ class RouterProcess:
         )
         self.decider = Decider(
             view=self.view,
-            policy=self.policy,
+            policy=self._policies[router.policy],
             block_size=model.block_size,
             has_prefill_pool=has_prefill,
             config=self.config,
@@ -146,6 +154,8 @@ class RouterProcess:
         self.sessions.resize(router.max_sessions, router.max_session_tokens)
         self.policy.reconfigure(router)
         self.view.load.timing = self.policy.weights.timing
+        if router.policy != old.policy:
+            self.decider.use_policy(self._policies[router.policy])
         log.info("router settings applied in place: %s", _changed(old, router))
 
     async def _follow_config(self, every_s: float = 1.0) -> None:

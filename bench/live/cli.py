@@ -10,6 +10,8 @@
     pdserve bench --side-by-side --mode sweep              pdserve P/D, pdserve aggregated and a plain
                                                            `vllm serve`, started here in turn, with ratios
     pdserve bench --side-by-side aggregated@REV,aggregated  before (git revision REV) against after
+    pdserve bench --side-by-side aggregated2,aggregated2:round_robin --mode sessions
+                                                           pdserve's routing against a cache-blind one
 
 Workload: `--input-len` / `--output-len` (fixed:N, normal:MEAN,STD, lognormal:MEAN,SIGMA), shared prefixes
 (`--prefix-groups G --prefix-len L`). Warm-up requests (`--warmup`) are sent first and not counted. Reports
@@ -42,7 +44,7 @@ from bench.live.progress import Progress
 from bench.live.report import DEFAULT_SLO, RunResult, ratios, summarize, table
 from bench.live.runner import Send, Timed, closed_loop, open_loop, session_loop
 from bench.live.sessions import plan_sessions
-from bench.live.systems import REPO, SYSTEMS, known, started
+from bench.live.systems import DEFAULT_SYSTEMS, POLICIES, REPO, SYSTEMS, known, started
 from bench.live.targets import Served, TargetError, open_target
 from bench.live.workload import Lengths, Request, Workload
 from bench.replay.traces import DEFAULT_TRACES_DIR
@@ -99,11 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--side-by-side",
         type=_systems,
         nargs="?",
-        const=list(SYSTEMS),
+        const=list(DEFAULT_SYSTEMS),
         default=None,
         metavar="SYSTEMS",
-        help=f"start each system here in turn, the same workload on each (default {','.join(SYSTEMS)}; "
-        "pd@REV, aggregated@REV: this repository at git revision REV)",
+        help="start each system here in turn, the same workload on each (default "
+        f"{','.join(DEFAULT_SYSTEMS)}; from {', '.join(SYSTEMS)}; NAME@REV: this repository at git revision "
+        "REV; NAME:POLICY: routed by a cache-blind router.policy, round_robin or least_loaded)",
     )
     p.add_argument(
         "--topology",
@@ -146,7 +149,8 @@ def _parse_systems(text: str) -> list[str]:
     chosen = text.split(",")
     if unknown := [s for s in chosen if not known(s)]:
         raise ValueError(
-            f"unknown system {', '.join(unknown)}: choose from {', '.join(SYSTEMS)}, pd@REV or aggregated@REV"
+            f"unknown system {', '.join(unknown)}: choose from {', '.join(SYSTEMS)}; a pdserve one as "
+            f"NAME@REV (a git revision) or NAME:POLICY ({', '.join(POLICIES)})"
         )
     if len(set(chosen)) != len(chosen):
         raise ValueError("each system once")

@@ -5,8 +5,14 @@
 - `aggregated`: pdserve with no prefill pool (the decode engine prefills; no KV connector);
 - `doubles`: pdserve on engine test doubles (engine/double.py; 1 prefill + 2 decode replicas): the serving
   layer's own limits, with no engine compute;
+- `aggregated2`: pdserve with two decode engines (one a core) and no prefill pool: where a session's turns
+  go decides what they find cached;
 - `vllm`: a plain `vllm serve` (vLLM's OpenAI server) of the same model, with the engine arguments and the
   core binding pdserve's aggregated decode engine gets: the baseline without pdserve's router and Serve.
+
+A pdserve system named `NAME:POLICY` (e.g. `aggregated2:round_robin`) is routed by that `router.policy`, a
+cache-blind baseline (router/policy/cache_blind.py): pdserve's routing against a cache-blind one on the same
+engines.
 
 A pdserve system named `NAME@REV` (e.g. `aggregated@0b48427`) runs this repository as of git revision REV
 (extracted with `git archive`, its packages first on PYTHONPATH, so the router, engines and CLI are all that
@@ -23,6 +29,7 @@ import sys
 import tempfile
 import threading
 import time
+import typing
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -34,10 +41,13 @@ import yaml
 from bench.revision import extract
 from cluster.cli import READY_LINE
 from engine.host import free_ports
+from router.config import RouterPolicy
 
 REPO = Path(__file__).resolve().parents[2]
 PDSERVE = str(Path(sys.executable).with_name("pdserve"))
-SYSTEMS = ("pd", "aggregated", "doubles", "vllm")
+SYSTEMS = ("pd", "aggregated", "aggregated2", "doubles", "vllm")
+DEFAULT_SYSTEMS = ("pd", "aggregated", "vllm")  # `--side-by-side` alone
+POLICIES = typing.get_args(RouterPolicy)  # a pdserve system's `:POLICY`
 READY_TIMEOUT_S = 600.0
 
 
@@ -82,6 +92,11 @@ class LocalCluster:
 PDSERVE_SYSTEMS: dict[str, dict[str, Any]] = {
     "pd": {"router.mode": "disaggregate"},  # no local-prefill shortcut: this measures the P/D path
     "aggregated": {"pools.prefill.replicas": 0},
+    "aggregated2": {
+        "pools.prefill.replicas": 0,
+        "pools.decode.replicas": 2,
+        "pools.decode.cpu.threads_bind": ["0", "1"],
+    },
     # The engine test double (20 ms a token, no vLLM): what the serving layer alone sustains, with engines
     # that never slow down. 1 prefill + 2 decode replicas.
     "doubles": {
@@ -202,12 +217,20 @@ def _wait_http(url: str, proc: subprocess.Popen[bytes], log: Any) -> None:
     raise TimeoutError(f"vllm serve at {url} not serving after {READY_TIMEOUT_S:.0f} s ({last})")
 
 
+def _parts(system: str) -> tuple[str, str | None, str | None]:
+    """`NAME[:POLICY][@REV]` as (name, policy, revision)."""
+    named, at, rev = system.partition("@")
+    name, colon, policy = named.partition(":")
+    return name, policy if colon else None, rev if at else None
+
+
 def known(system: str) -> bool:
-    """One of SYSTEMS, or a pdserve system at a revision (`aggregated@REV`)."""
-    name, at, rev = system.partition("@")
-    if at:
-        return name in PDSERVE_SYSTEMS and bool(rev)
-    return name in SYSTEMS
+    """One of SYSTEMS, or a pdserve system routed by a baseline policy (`aggregated2:round_robin`), at a
+    revision (`aggregated@REV`), or both."""
+    name, policy, rev = _parts(system)
+    if policy is None and rev is None:
+        return name in SYSTEMS
+    return name in PDSERVE_SYSTEMS and policy != "" and rev != "" and policy in (None, *POLICIES)
 
 
 @contextmanager
@@ -224,13 +247,14 @@ def revision(rev: str) -> Iterator[tuple[dict[str, str], Path]]:
 @contextmanager
 def started(system: str, base: Path) -> Iterator[str]:
     """System `system` (see `known`) serving; yields the address to benchmark."""
-    name, _, rev = system.partition("@")
+    name, policy, rev = _parts(system)
+    overrides = PDSERVE_SYSTEMS.get(name, {}) | ({} if policy is None else {"router.policy": policy})
     if name == "vllm":
         with vllm_serve(base) as url:
             yield url
     elif rev:
-        with revision(rev) as (env, tree), pdserve(base, PDSERVE_SYSTEMS[name], env, tree) as target:
+        with revision(rev) as (env, tree), pdserve(base, overrides, env, tree) as target:
             yield target
     else:
-        with pdserve(base, PDSERVE_SYSTEMS[name]) as target:
+        with pdserve(base, overrides) as target:
             yield target

@@ -1,4 +1,5 @@
-"""Baseline routing policies, implemented from their public descriptions for side-by-side evaluation.
+"""Baseline routing policies, implemented from their public descriptions for side-by-side evaluation (the
+cache-blind ones, round robin and least loaded, are the router's own: router/policy/cache_blind.py).
 
 All baselines are prefill-side policies: they pick the prefill replica by their own rule and the decode
 replica by least load (fewest active sequences, then lowest KV usage), and always disaggregate, except that
@@ -20,85 +21,9 @@ import msgspec
 
 from router.errors import NoReplicaError
 from router.messages import Decision, ReplicaView, RouteRequest
+from router.policy.cache_blind import decision_of, least_loaded_decode
 from router.policy.cost import cached_tokens
 from router.policy.types import PrefixLookup
-
-
-def least_loaded_decode(decode: Sequence[ReplicaView]) -> ReplicaView:
-    eligible = [d for d in decode if d.eligible]
-    if not eligible:
-        raise NoReplicaError("no ready decode replica")
-    return min(eligible, key=lambda d: (d.active_seqs, d.kv_usage))
-
-
-def _decision(
-    req: RouteRequest, p: ReplicaView | None, d: ReplicaView, cache: PrefixLookup, cost: float, reason: str
-) -> Decision:
-    ids = [d.replica_id] if p is None else [p.replica_id, d.replica_id]
-    matched = cache.matched_blocks(req.block_hashes, ids)
-    n, bs = req.num_prompt_tokens, req.block_size
-    cached_d = cached_tokens(matched[d.replica_id], bs, n)
-    return Decision(
-        prefill=None if p is None else p.replica_id,
-        decode=d.replica_id,
-        local_prefill=p is None,
-        predicted_cached_tokens=cached_d if p is None else cached_tokens(matched[p.replica_id], bs, n),
-        predicted_decode_cached_tokens=cached_d,
-        cost=cost,
-        reason=reason if p is not None or reason == "dynamo_local" else "no_prefill_replica",
-    )
-
-
-class RoundRobinPolicy:
-    """Cycles through eligible prefill replicas and, independently, through eligible decode replicas."""
-
-    name = "round_robin"
-
-    def __init__(self) -> None:
-        self._next_p = 0
-        self._next_d = 0
-
-    def choose(
-        self,
-        req: RouteRequest,
-        prefill: Sequence[ReplicaView],
-        decode: Sequence[ReplicaView],
-        cache: PrefixLookup,
-    ) -> Decision:
-        decs = [d for d in decode if d.eligible]
-        if not decs:
-            raise NoReplicaError("no ready decode replica")
-        d = decs[self._next_d % len(decs)]
-        self._next_d += 1
-        pres = [p for p in prefill if p.eligible]
-        p = pres[self._next_p % len(pres)] if pres else None
-        self._next_p += 1
-        return _decision(req, p, d, cache, 0.0, "round_robin")
-
-    def on_finish(self, req: RouteRequest, d: Decision) -> None:
-        return None
-
-
-class LeastLoadedPolicy:
-    """Prefill replica with the fewest queued prefill tokens (then fewest queued requests); decode least
-    loaded."""
-
-    name = "least_loaded"
-
-    def choose(
-        self,
-        req: RouteRequest,
-        prefill: Sequence[ReplicaView],
-        decode: Sequence[ReplicaView],
-        cache: PrefixLookup,
-    ) -> Decision:
-        d = least_loaded_decode(decode)
-        pres = [p for p in prefill if p.eligible]
-        p = min(pres, key=lambda r: (r.queued_prefill_tokens, r.queued_prefill_requests)) if pres else None
-        return _decision(req, p, d, cache, float(p.queued_prefill_tokens if p else 0), "least_loaded")
-
-    def on_finish(self, req: RouteRequest, d: Decision) -> None:
-        return None
 
 
 class SGLangCacheAwareConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -196,7 +121,7 @@ class SGLangCacheAwarePolicy:
         d = least_loaded_decode(decode)
         pres = [p for p in prefill if p.eligible]
         if not pres:
-            return _decision(req, None, d, cache, 0.0, "")
+            return decision_of(req, None, d, cache, 0.0, "")
         cfg = self.config
         loads = [p.queued_prefill_requests for p in pres]
         hi, lo = max(loads), min(loads)
@@ -217,7 +142,7 @@ class SGLangCacheAwarePolicy:
                 reason = "sglang_smallest_tree"
             chosen = next(p for p in pres if p.replica_id == cid)
         self._tree.insert(req.block_hashes, chosen.replica_id)
-        return _decision(req, chosen, d, cache, rate, reason)
+        return decision_of(req, chosen, d, cache, rate, reason)
 
     def on_finish(self, req: RouteRequest, d: Decision) -> None:
         return None
@@ -259,7 +184,7 @@ class DynamoKvPolicy:
         d = least_loaded_decode(decode)
         pres = [p for p in prefill if p.eligible]
         if not pres:
-            return _decision(req, None, d, cache, 0.0, "")
+            return decision_of(req, None, d, cache, 0.0, "")
         bs, n = req.block_size, req.num_prompt_tokens
         overlap = cache.matched_blocks(req.block_hashes, [p.replica_id for p in pres])
         logits = []
@@ -269,7 +194,7 @@ class DynamoKvPolicy:
             decode_blocks = (p.queued_prefill_tokens + n) // bs
             logits.append(self.config.overlap_score_weight * prefill_blocks + decode_blocks)
         i = self._select(logits)
-        return _decision(req, pres[i], d, cache, logits[i], "dynamo_kv")
+        return decision_of(req, pres[i], d, cache, logits[i], "dynamo_kv")
 
     def _select(self, logits: list[float]) -> int:
         t = self.config.temperature
@@ -333,7 +258,7 @@ class DynamoConditionalPolicy:
         queued = sum(p.queued_prefill_requests for p in pres)
         remote = bool(pres) and uncached > self.config.max_local_prefill_length
         if not remote or queued >= self.config.max_prefill_queue_size * max(1, len(pres)):
-            return _decision(req, None, d, cache, logit(d), "dynamo_local")
+            return decision_of(req, None, d, cache, logit(d), "dynamo_local")
         remote_choice = self._prefill.choose(req, pres, [d], cache)
         return msgspec.structs.replace(remote_choice, reason="dynamo_conditional")
 

@@ -9,11 +9,10 @@ from bench.replay.baselines import (
     RUST_DEFAULTS,
     DynamoConditionalPolicy,
     DynamoKvPolicy,
-    LeastLoadedPolicy,
-    RoundRobinPolicy,
     SGLangCacheAwarePolicy,
 )
 from router.config import RouterConfig
+from router.policy.cache_blind import LeastLoadedPolicy, RoundRobinPolicy
 from router.policy.selector import PdservePolicy
 from router.policy.types import Policy
 from router.service_time import ServiceTimeModel

@@ -30,8 +30,9 @@ log = logging.getLogger(__name__)
 
 class _Admitted(msgspec.Struct):
     tokens: int
-    req: RouteRequest | None
-    decision: Decision | None
+    req: RouteRequest
+    decision: Decision
+    policy: Policy  # the one that decided: it hears of the request's end
 
 
 class Decider:
@@ -105,7 +106,7 @@ class Decider:
                 msgspec.structs.asdict(d.terms) if d.terms is not None else {},
             )
         self._view.load.on_dispatch(req, d)
-        self._admit(request_id, len(prompt), req, d)
+        self._admit(request_id, len(prompt), req, d, self._policy)
         plan = PullPlan() if pulls is None else pulls.plan(d, offer, session_id, decode)
         return Route(
             prefill=d.prefill is not None,
@@ -128,8 +129,12 @@ class Decider:
         """Prompt tokens of this router's requests in flight (admission counts them; the others add them)."""
         return self._admitted_tokens
 
-    def _admit(self, request_id: str, tokens: int, req: RouteRequest | None, d: Decision | None) -> None:
-        self._admitted[request_id] = _Admitted(tokens, req, d)
+    def use_policy(self, policy: Policy) -> None:
+        """Decide with `policy` from the next request on; requests in flight end with the one that decided."""
+        self._policy = policy
+
+    def _admit(self, request_id: str, tokens: int, req: RouteRequest, d: Decision, policy: Policy) -> None:
+        self._admitted[request_id] = _Admitted(tokens, req, d, policy)
         self._admitted_tokens += tokens
 
     def turn_done(
@@ -161,9 +166,7 @@ class Decider:
         if admitted is None:
             return
         self._admitted_tokens -= admitted.tokens
-        if admitted.req is not None:
-            # The turn is over: prepare the session's next-turn check now, off any decision's path.
-            self._hasher.seal(admitted.req.session_id)
-        if admitted.req is not None and admitted.decision is not None:
-            self._view.load.on_finish(request_id)
-            self._policy.on_finish(admitted.req, admitted.decision)
+        # The turn is over: prepare the session's next-turn check now, off any decision's path.
+        self._hasher.seal(admitted.req.session_id)
+        self._view.load.on_finish(request_id)
+        admitted.policy.on_finish(admitted.req, admitted.decision)

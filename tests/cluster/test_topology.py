@@ -123,6 +123,11 @@ def test_an_empty_file_is_refused(text: str, tmp_path: Path) -> None:
             "pools.decode.engine.kv_load_failure_policy",
             "invalid value 'retry' (allowed: recompute, fail)",
         ),
+        (
+            "router: {policy: random}",
+            "router.policy",
+            "invalid value 'random' (allowed: pdserve, round_robin, least_loaded)",
+        ),
     ],
 )
 def test_a_value_outside_a_fixed_set_lists_the_allowed_values(text: str, path: str, reason: str) -> None:
@@ -149,7 +154,7 @@ def test_unknown_key_without_close_match_lists_allowed_keys() -> None:
         parse_topology("router: {zzz: 1}")
     assert info.value.path == "router.zzz"
     assert info.value.reason.startswith(
-        "unknown key (allowed: mode, local_prefill_max_tokens, prefill_overflow"
+        "unknown key (allowed: mode, policy, local_prefill_max_tokens, prefill_overflow"
     )
 
 

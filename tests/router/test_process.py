@@ -14,6 +14,7 @@ from engine.tiny_model import ensure_tiny_model
 from router import process as app
 from router.config import RouterConfig
 from router.errors import Overloaded
+from router.policy.cache_blind import RoundRobinPolicy
 from router.process import RouterProcess
 
 
@@ -51,6 +52,7 @@ def test_every_router_setting_applies_in_place(process: RouterProcess) -> None:
     changed = msgspec.convert(
         {
             "mode": "disaggregate",
+            "policy": "round_robin",
             "prefill_weight": 9,
             "overload_queue_tokens": 10,
             "stream_batch_tokens": 2,
@@ -65,9 +67,11 @@ def test_every_router_setting_applies_in_place(process: RouterProcess) -> None:
     assert process.policy.config == changed and process.policy.weights.prefill == 9.0
     assert process.view.load.timing == changed.service_time.timing()
     assert process.legs._stream() == StreamBatch(tokens=2, ms=5.0)
+    assert isinstance(process.decider._policy, RoundRobinPolicy)  # the cache-blind baseline decides
     # Admission reads the new limit at the next request.
+    process.view.load.add_replica("d0", "decode")
+    process.decider.route("r0", None, list(range(8)), Sampling(max_tokens=1))
     with pytest.raises(Overloaded, match="limit 10"):
-        process.decider._admit("r0", 8, None, None)
         process.decider.route("r1", None, list(range(8)), Sampling(max_tokens=1))
     assert "s" in process.sessions
 

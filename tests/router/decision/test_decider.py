@@ -9,6 +9,7 @@ from router.decision.decider import Decider
 from router.decision.readback import KvPulls, ReadbackTable
 from router.errors import NoReplicaError
 from router.metrics import RouterMetrics
+from router.policy.cache_blind import RoundRobinPolicy
 from router.policy.selector import PdservePolicy
 from router.view.cluster_view import ClusterView
 
@@ -161,3 +162,26 @@ def test_with_no_decode_replica_registered_a_request_is_refused_as_unavailable()
     router = make_router(prefill=False, view=make_view(prefill=False, decode=()))
     with pytest.raises(NoReplicaError, match="no decode replica is registered yet"):
         router.route("t1", None, PROMPT, Sampling(max_tokens=4))
+
+
+def test_a_cache_blind_baseline_spreads_a_sessions_turns_and_a_switch_keeps_requests_in_flight() -> None:
+    """`router.policy: round_robin` (benchmarks only): turns go round the decode replicas whatever they hold;
+    switching back to pdserve's policy sends each request's end to the policy that decided it."""
+    view = make_view(prefill=False, decode=("d0", "d1"))
+    router = make_router(prefill=False, readback=False, view=view)
+    blind = RoundRobinPolicy()
+    router.use_policy(blind)
+    first = router.route("t1", "s", PROMPT, Sampling(max_tokens=4))
+    view.index.apply_stored(first.decode_replica, list(range(1, 126)), None, PROMPT)
+    second = router.route("t2", "s", NEXT, Sampling(max_tokens=4))
+    assert {first.decode_replica, second.decode_replica} == {"d0", "d1"}  # the held prefix did not count
+    assert second.reason == "no_prefill_replica" and second.predicted_cached_tokens == 0
+
+    finished: list[str] = []
+    blind.on_finish = lambda req, d: finished.append(req.request_id)  # type: ignore[method-assign]
+    pdserve = PdservePolicy()
+    router.use_policy(pdserve)
+    router.finish("t2")
+    assert finished == ["t2"]
+    third = router.route("t3", "s", NEXT + list(range(7000, 7100)), Sampling(max_tokens=4))
+    assert third.decode_replica == first.decode_replica  # pdserve's again: to the replica holding the prefix
