@@ -70,6 +70,23 @@ class GpuRates(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         )
 
 
+class MeasuredTiming(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Service times fitted to one engine's own measurements (`python -m bench.engine_timing` measures a vLLM
+    engine on this machine and prints this section): a prefill costs a fixed part, a part per new token
+    and a part per attention pair (new tokens against the cached and new ones before them); a decode step
+    a fixed part, a part per running sequence and a part per context token; a KV pull a fixed part and a
+    part per token."""
+
+    prefill_fixed_s: NonNegative
+    prefill_token_s: NonNegative
+    prefill_pair_s: NonNegative
+    decode_step_s: NonNegative
+    decode_seq_s: NonNegative
+    decode_context_token_s: NonNegative
+    transfer_fixed_s: NonNegative
+    transfer_token_s: NonNegative
+
+
 class ServiceTime(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The topology's `router.service_time`: what one replica is, for the routing cost's estimates."""
 
@@ -79,8 +96,28 @@ class ServiceTime(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     # H100/H200-class GPUs): how a prefill on a decode replica is chunked between its decode steps.
     decode_chunk_tokens: PositiveInt = 8192
     model: ModelShape = msgspec.field(default_factory=ModelShape)
+    # An engine measured on the machine it runs on (`python -m bench.engine_timing`): when set, its fitted
+    # times replace those of hardware, gpus_per_replica and model.
+    measured: MeasuredTiming | None = None
 
-    def timing(self) -> ServiceTimeModel:
+    def describe(self) -> str:
+        """What the service times are for, in a line (the replay's report)."""
+        m = self.measured
+        if m is not None:
+            return (
+                f"a measured engine: prefill {1e3 * m.prefill_fixed_s:.1f} ms + "
+                f"{1e6 * m.prefill_token_s:.1f} us a token, decode step {1e3 * m.decode_step_s:.1f} ms + "
+                f"{1e6 * m.decode_seq_s:.1f} us a sequence, KV pull {1e3 * m.transfer_fixed_s:.1f} ms + "
+                f"{1e6 * m.transfer_token_s:.2f} us a token"
+            )
+        return (
+            f"{self.gpus_per_replica} {self.hardware} GPUs a replica, a model of "
+            f"{self.model.total_params / 1e9:.0f}B parameters ({self.model.active_params / 1e9:.0f}B active)"
+        )
+
+    def timing(self) -> ServiceTimeModel | MeasuredEngine:
+        if self.measured is not None:
+            return MeasuredEngine(fit=self.measured, chunk_tokens=self.decode_chunk_tokens)
         return ServiceTimeModel(
             shape=self.model,
             rates=GpuRates.measured(self.hardware),
@@ -145,9 +182,7 @@ class ServiceTimeModel(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
         `prefill_s`, `tpot_s`: the prefill's and the batch's decode step's seconds, when already known."""
         prefill = self.prefill_s(new_tokens, cached_tokens) if prefill_s is None else prefill_s
         tpot = self.tpot_s(batch, context_tokens) if tpot_s is None else tpot_s
-        chunk = max(1, self.chunk_tokens - batch)
-        steps = max(1, -(-new_tokens // chunk))
-        return steps, max(tpot, prefill / steps)
+        return _mixed_steps(new_tokens, batch, self.chunk_tokens, prefill, tpot)
 
     def transfer_s(self, tokens: int, same_node: bool = False) -> float:
         """Seconds to move `tokens` tokens of KV from a prefill to a decode replica."""
@@ -155,3 +190,57 @@ class ServiceTimeModel(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
             return 0.0
         link = self.same_node_link_bytes_per_s if same_node else self.link_bytes_per_s
         return self.transfer_setup_s + tokens * self.shape.kv_bytes_per_token / link
+
+
+def _mixed_steps(
+    new_tokens: int, batch: int, chunk_tokens: int, prefill: float, tpot: float
+) -> tuple[int, float]:
+    chunk = max(1, chunk_tokens - batch)
+    steps = max(1, -(-new_tokens // chunk))
+    return steps, max(tpot, prefill / steps)
+
+
+class MeasuredEngine(msgspec.Struct, frozen=True, kw_only=True):
+    """The service-time model of a measured engine (`ServiceTime.measured`): the same questions as
+    `ServiceTimeModel`'s, answered from the fit."""
+
+    fit: MeasuredTiming
+    chunk_tokens: PositiveInt = 8192
+
+    def prefill_s(self, new_tokens: int, cached_tokens: int) -> float:
+        f = self.fit
+        if new_tokens <= 0:
+            return f.prefill_fixed_s
+        pairs = new_tokens * cached_tokens + new_tokens * (new_tokens + 1) / 2
+        return f.prefill_fixed_s + f.prefill_token_s * new_tokens + f.prefill_pair_s * pairs
+
+    def tpot_s(self, batch: int, context_tokens: int) -> float:
+        f = self.fit
+        if batch <= 0:
+            return f.decode_step_s
+        return f.decode_step_s + f.decode_seq_s * batch + f.decode_context_token_s * context_tokens
+
+    def mixed_prefill(
+        self,
+        new_tokens: int,
+        cached_tokens: int,
+        batch: int,
+        context_tokens: int,
+        *,
+        prefill_s: float | None = None,
+        tpot_s: float | None = None,
+    ) -> tuple[int, float]:
+        """As `ServiceTimeModel.mixed_prefill`."""
+        prefill = self.prefill_s(new_tokens, cached_tokens) if prefill_s is None else prefill_s
+        tpot = self.tpot_s(batch, context_tokens) if tpot_s is None else tpot_s
+        return _mixed_steps(new_tokens, batch, self.chunk_tokens, prefill, tpot)
+
+    def transfer_s(self, tokens: int, same_node: bool = False) -> float:
+        """Seconds to pull `tokens` tokens of KV (measured on one machine: `same_node` changes nothing)."""
+        if tokens <= 0:
+            return 0.0
+        return self.fit.transfer_fixed_s + self.fit.transfer_token_s * tokens
+
+
+# Either model answers the routing cost's and the replay's questions.
+Timing = ServiceTimeModel | MeasuredEngine

@@ -231,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     knob = f"concurrency {cfg.concurrency}" if trace.closed_loop else f"time scale {cfg.time_scale:.3f}"
     print(f"load: {knob}", flush=True)
+    print(f"service time: {router.service_time.describe()}", flush=True)
     if cfg.routers > 1:
         print(
             f"routers: {cfg.routers}, each request to one at random, "

@@ -15,13 +15,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from bench.replay.traces import Trace
-from router.service_time import ServiceTimeModel
+from router.service_time import Timing
 
 # Decode batch assumed when estimating a session's reply time (refined by pilots anyway).
 _NOMINAL_DECODE_BATCH = 16
 
 
-def bound_prefill_work(trace: Trace, timing: ServiceTimeModel) -> dict[str, float]:
+def bound_prefill_work(trace: Trace, timing: Timing) -> dict[str, float]:
     """Prefill seconds per request id with the infinite-cache bound's hits."""
     seen: set[int] = set()
     work: dict[str, float] = {}
@@ -40,9 +40,7 @@ def bound_prefill_work(trace: Trace, timing: ServiceTimeModel) -> dict[str, floa
     return work
 
 
-def estimate_time_scale(
-    trace: Trace, timing: ServiceTimeModel, prefill_replicas: int, target: float
-) -> float:
+def estimate_time_scale(trace: Trace, timing: Timing, prefill_replicas: int, target: float) -> float:
     work = bound_prefill_work(trace, timing)
     arrivals = [r.arrival_s for r in trace.requests()]
     span = max(arrivals) - min(arrivals)
@@ -53,7 +51,7 @@ def estimate_time_scale(
 
 def estimate_concurrency(
     trace: Trace,
-    timing: ServiceTimeModel,
+    timing: Timing,
     prefill_replicas: int,
     target: float,
     *,

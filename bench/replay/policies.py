@@ -15,11 +15,11 @@ from router.config import RouterConfig
 from router.policy.cache_blind import LeastLoadedPolicy, RoundRobinPolicy
 from router.policy.selector import PdservePolicy
 from router.policy.types import Policy
-from router.service_time import ServiceTimeModel
+from router.service_time import Timing
 
 # Builds a fresh policy for one run (policies keep per-session state) given the replay's service-time model:
 # pdserve's cost estimates with the very model the simulated engines are timed by.
-PolicyFactory = Callable[[ServiceTimeModel], Policy]
+PolicyFactory = Callable[[Timing], Policy]
 
 
 def describe_pdserve(cfg: RouterConfig) -> str:
@@ -37,7 +37,7 @@ def available_policies(router: RouterConfig | None = None) -> dict[str, PolicyFa
     """Name -> factory; pdserve runs with `router` (a topology's router section; default: the defaults)."""
     cfg = router or RouterConfig()
 
-    def pdserve(timing: ServiceTimeModel) -> Policy:
+    def pdserve(timing: Timing) -> Policy:
         return PdservePolicy(cfg, timing)
 
     return {

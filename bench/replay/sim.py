@@ -69,7 +69,7 @@ from bench.replay.cache import CacheEvents, LruBlockCache
 from bench.replay.traces import Session, Trace, TraceRequest
 from router.messages import Decision, Readback, ReplicaView, RouteRequest
 from router.policy.types import Policy, PrefixLookup
-from router.service_time import ServiceTimeModel
+from router.service_time import ServiceTimeModel, Timing
 from router.view.load import LoadTracker
 
 
@@ -93,7 +93,7 @@ class SimConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     # session's pin.
     readback_exports: bool = True
     seed: int = 0
-    timing: ServiceTimeModel = ServiceTimeModel()
+    timing: Timing = ServiceTimeModel()
     # Routers in front of the cluster, each request to one drawn at random per turn (module docstring), and
     # the virtual seconds between their load reports to each other.
     routers: int = 1

@@ -25,7 +25,7 @@ import msgspec
 
 from router.config import RouterConfig
 from router.messages import ReplicaView
-from router.service_time import ServiceTimeModel
+from router.service_time import Timing
 
 NonNegative = Annotated[float, msgspec.Meta(ge=0)]
 
@@ -40,7 +40,7 @@ COPY_WEIGHT = 80.0
 
 
 class CostWeights(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
-    timing: ServiceTimeModel
+    timing: Timing
     prefill: NonNegative  # router.prefill_weight
     tpot_slo_s: NonNegative  # router.tpot_slo_ms / 1000
     ttft_slo_s: NonNegative  # router.ttft_slo_ms / 1000
@@ -54,7 +54,7 @@ class CostWeights(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     max_output_tokens: Annotated[int, msgspec.Meta(ge=0)] = 1024
 
     @staticmethod
-    def of(cfg: RouterConfig, timing: ServiceTimeModel | None = None) -> CostWeights:
+    def of(cfg: RouterConfig, timing: Timing | None = None) -> CostWeights:
         """The weights `cfg` asks for, costed with `timing` (default: `cfg.service_time`'s)."""
         return CostWeights(
             timing=timing or cfg.service_time.timing(),
@@ -74,13 +74,13 @@ def cached_tokens(matched_blocks: int, block_size: int, num_prompt_tokens: int) 
     return min(matched_blocks * block_size, (num_prompt_tokens - 1) // block_size * block_size)
 
 
-def estimated_prefill_s(timing: ServiceTimeModel, num_prompt_tokens: int, cached: int) -> float:
+def estimated_prefill_s(timing: Timing, num_prompt_tokens: int, cached: int) -> float:
     """Seconds to prefill a prompt of which `cached` leading tokens are in the computing replica's cache: the
     estimate the cost uses and load accounting sums into `ReplicaView.queued_prefill_s`."""
     return timing.prefill_s(num_prompt_tokens - cached, cached)
 
 
-def queued_prefill_s(timing: ServiceTimeModel, r: ReplicaView) -> float:
+def queued_prefill_s(timing: Timing, r: ReplicaView) -> float:
     """Estimated seconds of prefill work queued on `r`."""
     if r.queued_prefill_s is not None:
         return r.queued_prefill_s

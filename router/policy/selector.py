@@ -26,7 +26,7 @@ from router.policy.options import Balance, Option, Prompt, Scorer, candidate_opt
 from router.policy.pull import offer
 from router.policy.recent_work import RecentWork, pick
 from router.policy.types import MemoPrefixLookup, PrefixLookup
-from router.service_time import ServiceTimeModel
+from router.service_time import Timing
 from router.sessions import Part, Sessions
 
 # A session's decode replica is overloaded (the session is re-placed by cost) at this KV usage, or with more
@@ -57,7 +57,7 @@ class PdservePolicy:
     def __init__(
         self,
         config: RouterConfig | None = None,
-        timing: ServiceTimeModel | None = None,
+        timing: Timing | None = None,
         sessions: Sessions | None = None,
     ) -> None:
         """`timing`: the service-time model to cost with (default: the config's `service_time`).

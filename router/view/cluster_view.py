@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.messages import ClusterState, ReplicaInfo, RouterReport
-from router.service_time import ServiceTimeModel
+from router.service_time import Timing
 from router.view.kv_events import KvEventSubscriber
 from router.view.kv_index import KvIndex
 from router.view.load import LoadTracker
@@ -32,7 +32,7 @@ class ClusterView:
         registry: Any,
         *,
         block_size: int,
-        timing: ServiceTimeModel | None = None,
+        timing: Timing | None = None,
         poll_s: float = 1.0,
         router_id: str | None = None,
     ) -> None:

@@ -25,7 +25,7 @@ import msgspec
 from engine.messages import DispatchedLoad, Role
 from router.messages import Decision, ReplicaView, RouteRequest
 from router.policy.cost import estimated_prefill_s
-from router.service_time import ServiceTimeModel
+from router.service_time import ServiceTimeModel, Timing
 
 
 class _ReplicaLoad:
@@ -67,7 +67,7 @@ class _InFlight(msgspec.Struct):
 
 
 class LoadTracker:
-    def __init__(self, timing: ServiceTimeModel | None = None) -> None:
+    def __init__(self, timing: Timing | None = None) -> None:
         self.timing = timing or ServiceTimeModel()
         self._replicas: dict[str, _ReplicaLoad] = {}
         self._inflight: dict[str, _InFlight] = {}
