@@ -2,6 +2,8 @@
 
 - `pd`: pdserve with its prefill and decode pools (deploy/local.yaml, every request through
   prefill -> NIXL -> decode);
+- `pd-auto`: the same pools with the router choosing per request (deploy/local.yaml as written: a turn whose
+  context the decode replica holds skips the prefill hop);
 - `aggregated`: pdserve with no prefill pool (the decode engine prefills; no KV connector);
 - `doubles`: pdserve on engine test doubles (engine/double.py; 1 prefill + 2 decode replicas): the serving
   layer's own limits, with no engine compute;
@@ -45,7 +47,7 @@ from router.config import RouterPolicy
 
 REPO = Path(__file__).resolve().parents[2]
 PDSERVE = str(Path(sys.executable).with_name("pdserve"))
-SYSTEMS = ("pd", "aggregated", "aggregated2", "doubles", "vllm")
+SYSTEMS = ("pd", "pd-auto", "aggregated", "aggregated2", "doubles", "vllm")
 DEFAULT_SYSTEMS = ("pd", "aggregated", "vllm")  # `--side-by-side` alone
 POLICIES = typing.get_args(RouterPolicy)  # a pdserve system's `:POLICY`
 READY_TIMEOUT_S = 600.0
@@ -91,6 +93,7 @@ class LocalCluster:
 # Each pdserve system: deploy/local.yaml with these overrides, by dotted path.
 PDSERVE_SYSTEMS: dict[str, dict[str, Any]] = {
     "pd": {"router.mode": "disaggregate"},  # no local-prefill shortcut: this measures the P/D path
+    "pd-auto": {},
     "aggregated": {"pools.prefill.replicas": 0},
     "aggregated2": {
         "pools.prefill.replicas": 0,

@@ -234,7 +234,9 @@ def test_a_pdserve_system_can_run_an_earlier_revision_and_only_a_pdserve_one() -
     assert known("aggregated@0b48427") and known("pd@HEAD~1") and known("vllm")
     assert not known("vllm@HEAD") and not known("aggregated@") and not known("sglang@HEAD")
     # Routed by a cache-blind baseline: pdserve systems only, and only policies the router has.
-    assert known("aggregated2:round_robin") and known("pd:least_loaded@HEAD~1")
+    assert (
+        known("aggregated2:round_robin") and known("pd-auto:round_robin") and known("pd:least_loaded@HEAD~1")
+    )
     assert not known("vllm:round_robin") and not known("aggregated2:random") and not known("aggregated2:")
     run = subprocess.run(
         [PDSERVE, "bench", "--side-by-side", "aggregated@HEAD,aggregated@HEAD"],
