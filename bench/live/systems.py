@@ -236,6 +236,12 @@ def known(system: str) -> bool:
     return name in PDSERVE_SYSTEMS and policy != "" and rev != "" and policy in (None, *POLICIES)
 
 
+def overrides(system: str) -> dict[str, Any]:
+    """A pdserve system's changes to the base topology, by dotted path (its `:POLICY` included)."""
+    name, policy, _ = _parts(system)
+    return PDSERVE_SYSTEMS[name] | ({} if policy is None else {"router.policy": policy})
+
+
 @contextmanager
 def revision(rev: str) -> Iterator[tuple[dict[str, str], Path]]:
     """The environment and folder that run pdserve as of git revision `rev`: its tree extracted beside, first
@@ -250,14 +256,13 @@ def revision(rev: str) -> Iterator[tuple[dict[str, str], Path]]:
 @contextmanager
 def started(system: str, base: Path) -> Iterator[str]:
     """System `system` (see `known`) serving; yields the address to benchmark."""
-    name, policy, rev = _parts(system)
-    overrides = PDSERVE_SYSTEMS.get(name, {}) | ({} if policy is None else {"router.policy": policy})
+    name, _, rev = _parts(system)
     if name == "vllm":
         with vllm_serve(base) as url:
             yield url
     elif rev:
-        with revision(rev) as (env, tree), pdserve(base, overrides, env, tree) as target:
+        with revision(rev) as (env, tree), pdserve(base, overrides(system), env, tree) as target:
             yield target
     else:
-        with pdserve(base, overrides) as target:
+        with pdserve(base, overrides(system)) as target:
             yield target

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "router"))
 from inprocess_server import endpoint
@@ -259,3 +260,15 @@ def test_an_earlier_revision_runs_from_its_own_tree_first_on_the_path() -> None:
     assert not tree.exists()  # removed once the system stopped
     with pytest.raises(RuntimeError, match="git archive no-such-revision"), revision("no-such-revision"):
         pass
+
+
+@pytest.mark.parametrize("system", ["pd", "pd-auto", "aggregated", "aggregated2", "doubles"])
+def test_every_pdserve_system_is_a_valid_topology_and_a_policy_suffix_reaches_the_router(system: str) -> None:
+    from bench.live.cli import LOCAL_TOPOLOGY
+    from bench.live.systems import overrides, topology
+    from cluster.topology_file import parse_topology
+
+    plain = parse_topology(yaml.safe_dump(topology(LOCAL_TOPOLOGY, overrides(system))))
+    assert plain.router.policy == "pdserve"
+    blind = parse_topology(yaml.safe_dump(topology(LOCAL_TOPOLOGY, overrides(f"{system}:least_loaded@HEAD"))))
+    assert blind.router.policy == "least_loaded"
