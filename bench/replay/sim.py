@@ -49,7 +49,9 @@ events), so they share one. The request's policy `on_finish` goes to the router 
 
 Load: open-loop traces arrive at `arrival_s / time_scale`; closed-loop traces run `concurrency` session
 slots, each replaying sessions one after another (seeded order), with every gap multiplied by `gap_scale`
-and capped at `max_gap_s` (human pauses of hours would otherwise leave slots idle). The measurement window
+and capped at `max_gap_s` (human pauses of hours would otherwise leave slots idle), or, when the trace gives
+each session a start time (`Trace.session_starts`: the live benchmark's sessions), start each session once
+at its time and count every request. The measurement window
 ends when the last open-loop request arrives, or when a closed-loop slot first finds no session left to
 start; utilisation and latency percentiles are measured over requests that arrived inside the window (cache
 metrics over all)."""
@@ -335,6 +337,11 @@ class Simulator:
             for s in self.trace.sessions:
                 for r in s.requests:
                     self._at(r.arrival_s / self.cfg.time_scale, _ARRIVAL, self._new_job(r))
+            return
+        if self.trace.session_starts is not None:
+            # Each session once, at its own start (the live benchmark's sessions): no slots, no window end.
+            for session, start in zip(self.trace.sessions, self.trace.session_starts, strict=True):
+                self._send_turn(session, 0, -1, start)
             return
         order = list(self.trace.sessions)
         rng = random.Random(self.cfg.seed)
@@ -627,7 +634,7 @@ class Simulator:
         if pos + 1 < len(session.requests):
             gap = min(session.requests[pos + 1].gap_s, self.cfg.max_gap_s) * self.cfg.gap_scale
             self._send_turn(session, pos + 1, job.slot, self.now + gap)
-        else:
+        elif job.slot >= 0:
             self._at(self.now, _SLOT_START, job.slot)
 
     # -- results -----------------------------------------------------------------------------------------

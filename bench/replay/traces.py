@@ -80,6 +80,9 @@ class Trace:
     sessions: tuple[Session, ...]
     # Synthetic token ids of every block (what a simulated BlockStored event carries).
     hasher: BlockHasher
+    # Closed loop: when each session starts (its first turn is sent), in session order. None: `concurrency`
+    # slots replay the sessions one after another (SimConfig).
+    session_starts: tuple[float, ...] | None = None
 
     def requests(self) -> Iterator[TraceRequest]:
         for s in self.sessions:
@@ -127,6 +130,19 @@ class BlockHasher:
             out.append(h)
             parent = h
         return tuple(out)
+
+    @classmethod
+    def of_tokens(cls, block_tokens: int) -> BlockHasher:
+        """A hasher of real prompts: a block's content is its `block_tokens` token ids (`token_hashes`)."""
+        return cls(block_tokens, block_tokens - 1)
+
+    def token_hashes(self, token_ids: list[int]) -> tuple[int, ...]:
+        """Router hashes of a real prompt's full blocks, as the live router hashes it (`of_tokens` only)."""
+        size = self.token_block_size
+        hashes = hash_blocks(token_ids, size)
+        for i, h in enumerate(hashes):
+            self.content.setdefault(h, tuple(token_ids[i * size : (i + 1) * size]))
+        return tuple(hashes)
 
     def tokens(self, router_hashes: list[int]) -> list[int]:
         """Synthetic token ids of consecutive blocks, as a BlockStored event carries them."""

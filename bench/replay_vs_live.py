@@ -1,0 +1,293 @@
+"""`python -m bench.replay_vs_live`: the replay checked against real engines, on one workload.
+
+    .venv/bin/python -m bench.engine_timing --out engine-timing.json
+    .venv/bin/python -m bench.replay_vs_live --timing engine-timing.json \\
+        --systems aggregated2,aggregated2:least_loaded --sessions 8 --max-turns 8 --gap-scale 0.1 --rate 2
+
+1. The topology: deploy/local.yaml (or `--topology`) with `router.service_time.measured` from `--timing`
+   (bench.engine_timing's JSON), so the live router and the replay's policies estimate with the same times.
+2. Live: `pdserve bench --side-by-side SYSTEMS --mode sessions ...` on it, every system started in turn
+   (`--live REPORT` reuses the JSON report of such a run instead).
+3. Replay: the same sessions (the same scaled prompts, output lengths and gaps, bench/replay/live_sessions.py)
+   started at the live run's start times, on each system's topology (its replica counts and
+   `router.policy`), the engines timed by the fit.
+4. The table: per system, live against replay for TTFT and TPOT P50/P99, the cached share and the share
+   prefilled on decode, the error of each; per topology, pdserve's ratio to each cache-blind policy, live
+   against the replay's prediction.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import yaml
+
+from bench.live import cli as live_cli
+from bench.live.arrivals import Arrivals
+from bench.live.sessions import plan_sessions
+from bench.live.systems import _parts, known, overrides, topology
+from bench.replay.live_sessions import trace_of_plan
+from bench.replay.policies import available_policies
+from bench.replay.runner import replay_policy
+from bench.replay.sim import RequestRecord, SimConfig
+from bench.replay.traces import DEFAULT_TRACES_DIR, infinite_cache_hit_ratio
+from bench.slo import percentile
+from cluster.topology import Topology, TopologyError
+from cluster.topology_file import parse_topology
+from router.service_time import MeasuredTiming
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_SYSTEMS = ("aggregated2", "aggregated2:least_loaded", "pd-auto", "pd-auto:round_robin")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One run's figures, live or replayed: latencies in seconds, shares in [0, 1]."""
+
+    ttft_p50: float
+    ttft_p99: float
+    tpot_p50: float
+    tpot_p99: float
+    cached_share: float  # prompt tokens served from a cache
+    decode_prefill_share: float  # requests prefilled on their decode replica (no prefill hop)
+    requests: int
+
+    @staticmethod
+    def of_live(result: dict[str, Any]) -> Outcome:
+        paths = result["paths"]
+        return Outcome(
+            ttft_p50=result["ttft_s"]["p50"],
+            ttft_p99=result["ttft_s"]["p99"],
+            tpot_p50=result["tpot_s"]["p50"],
+            tpot_p99=result["tpot_s"]["p99"],
+            cached_share=result["cached_share"],
+            decode_prefill_share=paths.get("local_prefill", 0.0) + paths.get("decode_full_prefill", 0.0),
+            requests=result["requests"],
+        )
+
+    @staticmethod
+    def of_replay(records: Sequence[RequestRecord]) -> Outcome:
+        ttft = [r.ttft for r in records]
+        tpot = [t for t in (r.tpot for r in records) if t is not None]
+        prompt = sum(r.cached_tokens + r.computed_tokens for r in records)
+        return Outcome(
+            ttft_p50=percentile(ttft, 50),
+            ttft_p99=percentile(ttft, 99),
+            tpot_p50=percentile(tpot, 50),
+            tpot_p99=percentile(tpot, 99),
+            cached_share=sum(r.cached_tokens for r in records) / prompt if prompt else 0.0,
+            decode_prefill_share=sum(r.local_prefill for r in records) / len(records) if records else 0.0,
+            requests=len(records),
+        )
+
+
+def relative_error(predicted: float, measured: float) -> float:
+    """(predicted - measured) / measured; nan where nothing was measured."""
+    return (predicted - measured) / measured if measured else math.nan
+
+
+def with_timing(base: Path, fit: MeasuredTiming) -> dict[str, Any]:
+    """`base` with `router.service_time.measured` set to `fit`."""
+    topo = yaml.safe_load(base.read_text())
+    router = topo.setdefault("router", {})
+    router.setdefault("service_time", {})["measured"] = msgspec.to_builtins(fit)
+    return topo
+
+
+def load_fit(path: Path) -> MeasuredTiming:
+    """The fit of bench.engine_timing's JSON."""
+    try:
+        doc = json.loads(path.read_text())
+        return msgspec.convert(doc["fit"], MeasuredTiming)
+    except (OSError, ValueError, KeyError, msgspec.ValidationError) as exc:
+        raise ValueError(f"--timing {path}: not a bench.engine_timing report ({exc})") from None
+
+
+def system_topology(base: Path, system: str) -> Topology:
+    return parse_topology(topology(base, overrides(system)), source=f"{base} as {system}")
+
+
+def replay_system(base: Path, system: str, args: argparse.Namespace, max_model_len: int) -> Outcome:
+    """The replay of `system` on the sessions the live run sent."""
+    topo = system_topology(base, system)
+    plan = plan_sessions(
+        num_sessions=args.sessions,
+        max_turns=args.max_turns,
+        max_model_len=max_model_len,
+        max_output=args.output_len,
+        gap_scale=args.gap_scale,
+        seed=args.seed,
+        traces_dir=args.traces_dir,
+    )
+    starts = args.arrival.offsets(len(plan.sessions), args.rate, args.seed)
+    trace = trace_of_plan(plan, starts, topo.model.block_size)
+    router = topo.router
+    cfg = SimConfig(
+        prefill_replicas=topo.pools.prefill.replicas,
+        decode_replicas=topo.pools.decode.replicas,
+        # The engines' caches hold far more than a slice this size (a 1 GiB cache is 512k tokens of the
+        # tiny model): nothing is evicted live, so nothing is here.
+        capacity_blocks=None,
+        gap_scale=1.0,  # the plan's gaps are already scaled and capped
+        max_gap_s=math.inf,
+        seed=args.seed,
+        timing=router.service_time.timing(),
+        readback_ttl_s=float(topo.pools.kv_readback_ttl_s) or None,
+        readback_exports=router.kv_readback_exports,
+    )
+    factory = available_policies(router)[router.policy]
+    bound = infinite_cache_hit_ratio(trace)
+    _, records = replay_policy(trace, router.policy, factory, cfg, bound)
+    return Outcome.of_replay(records)
+
+
+def ratios(outcomes: dict[str, Outcome], systems: Sequence[str]) -> list[tuple[str, str, float, float]]:
+    """(system, baseline, metric, ratio) of pdserve's system to each cache-blind one on its topology."""
+    out = []
+    for s in systems:
+        name, policy, _ = _parts(s)
+        if policy is None or name not in systems:
+            continue
+        for metric in ("ttft_p50", "ttft_p99", "tpot_p50", "cached_share"):
+            a, b = getattr(outcomes[name], metric), getattr(outcomes[s], metric)
+            out.append((name, s, metric, a / b if b else math.nan))
+    return out  # type: ignore[return-value]
+
+
+def compare(live: dict[str, Outcome], replay: dict[str, Outcome], systems: Sequence[str]) -> dict[str, Any]:
+    """Every figure live, replayed and the error; pdserve's ratios to the baselines both ways."""
+    rows = []
+    for s in systems:
+        lv, rp = live[s], replay[s]
+        for field in ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99"):
+            a, b = getattr(lv, field), getattr(rp, field)
+            rows.append({"system": s, "metric": field, "live": a, "replay": b, "error": relative_error(b, a)})
+        for field in ("cached_share", "decode_prefill_share"):
+            a, b = getattr(lv, field), getattr(rp, field)
+            rows.append({"system": s, "metric": field, "live": a, "replay": b, "error": b - a})
+    live_ratios = {(a, b, m): r for a, b, m, r in ratios(live, systems)}
+    ratio_rows = [
+        {
+            "system": a,
+            "baseline": b,
+            "metric": m,
+            "live": live_ratios[(a, b, m)],
+            "replay": r,
+            "error": relative_error(r, live_ratios[(a, b, m)]),
+        }
+        for a, b, m, r in ratios(replay, systems)
+    ]
+    return {"figures": rows, "ratios": ratio_rows}
+
+
+def format_comparison(result: dict[str, Any]) -> str:
+    lines = [f"{'system':<26} {'metric':<22} {'live':>9} {'replay':>9} {'error':>8}"]
+    for r in result["figures"]:
+        share = r["metric"].endswith("share")
+        fmt = (lambda v: f"{v:9.3f}") if share else (lambda v: f"{1e3 * v:7.1f}ms")
+        err = f"{r['error']:+8.3f}" if share else f"{r['error']:+8.0%}"
+        lines.append(f"{r['system']:<26} {r['metric']:<22} {fmt(r['live'])} {fmt(r['replay'])} {err}")
+    if result["ratios"]:
+        lines.append("")
+        lines.append(f"{'pdserve / baseline':<48} {'live':>9} {'replay':>9} {'error':>8}")
+        for r in result["ratios"]:
+            what = f"{r['system']} / {r['baseline']} {r['metric']}"
+            lines.append(f"{what:<48} {r['live']:9.3f} {r['replay']:9.3f} {r['error']:+8.0%}")
+    return "\n".join(lines)
+
+
+def _systems(text: str) -> list[str]:
+    chosen = [s.strip() for s in text.split(",") if s.strip()]
+    bad = [s for s in chosen if not known(s) or _parts(s)[0] in ("vllm", "doubles") or _parts(s)[2]]
+    if bad or not chosen:
+        raise argparse.ArgumentTypeError(
+            f"{', '.join(bad) or text!r}: pdserve systems on real engines, NAME or NAME:POLICY"
+        )
+    return chosen
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.replay_vs_live", description=__doc__.split("\n\n")[0])
+    p.add_argument("--timing", type=Path, required=True, help="bench.engine_timing's JSON report")
+    p.add_argument("--topology", type=Path, default=REPO / "deploy" / "local.yaml")
+    p.add_argument("--systems", type=_systems, default=list(DEFAULT_SYSTEMS))
+    p.add_argument("--sessions", type=int, default=8)
+    p.add_argument("--max-turns", type=int, default=8)
+    p.add_argument("--gap-scale", type=float, default=0.1)
+    p.add_argument("--rate", type=float, default=2.0, help="sessions started per second")
+    p.add_argument("--arrival", type=Arrivals.parse, default=Arrivals("poisson"))
+    p.add_argument("--output-len", type=int, default=32, help="most output tokens of a turn")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--traces-dir", type=Path, default=DEFAULT_TRACES_DIR)
+    p.add_argument("--live", type=Path, default=None, help="a `pdserve bench --json` report of this run")
+    p.add_argument("--json", type=Path, default=None, help="write the comparison here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        fit = load_fit(args.timing)
+        base = with_timing(args.topology, fit)
+        parse_topology(base, source=str(args.topology))
+    except (ValueError, TopologyError, OSError) as exc:
+        parser.error(str(exc))
+    with tempfile.TemporaryDirectory() as tmp:
+        topo_file = Path(tmp) / "topology.yaml"
+        topo_file.write_text(yaml.safe_dump(base))
+        report = _live_report(args, topo_file, Path(tmp))
+        if report is None:
+            return 1
+        systems = [s for s in args.systems if s in report["systems"]]
+        if missing := sorted(set(args.systems) - set(systems)):
+            parser.error(f"--live {args.live}: no run of {', '.join(missing)}")
+        max_model_len = next(iter(report["systems"].values()))["model"]["max_model_len"]
+        live = {s: Outcome.of_live(report["systems"][s]["results"][0]) for s in systems}
+        replay = {}
+        for s in systems:
+            replay[s] = replay_system(topo_file, s, args, max_model_len)
+    result = compare(live, replay, systems)
+    print(f"service time: {parse_topology(base).router.service_time.describe()}")
+    print(format_comparison(result))
+    if args.json is not None:
+        result |= {
+            "live": {k: asdict(v) for k, v in live.items()},
+            "replay": {k: asdict(v) for k, v in replay.items()},
+            "fit": msgspec.to_builtins(fit),
+        }
+        args.json.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+def _live_report(args: argparse.Namespace, topo_file: Path, tmp: Path) -> dict[str, Any] | None:
+    """The live side-by-side's JSON report: `--live`, or a run now."""
+    if args.live is not None:
+        return json.loads(args.live.read_text())  # type: ignore[no-any-return]
+    out = tmp / "live.json"
+    code = live_cli.main(
+        [
+            "--side-by-side", ",".join(args.systems), "--topology", str(topo_file),
+            "--mode", "sessions", "--sessions", str(args.sessions), "--max-turns", str(args.max_turns),
+            "--gap-scale", str(args.gap_scale), "--rate", str(args.rate), "--arrival", str(args.arrival),
+            "--output-len", f"fixed:{args.output_len}", "--seed", str(args.seed),
+            "--traces-dir", str(args.traces_dir), "--json", str(out),
+        ]
+    )  # fmt: skip
+    if code != 0 or not out.exists():
+        print(f"the live run failed (pdserve bench exit {code})", file=sys.stderr)
+        return None
+    return json.loads(out.read_text())  # type: ignore[no-any-return]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""The replay of the live benchmark's sessions, and its comparison with a live run (bench/replay_vs_live.py).
+
+The live side is `pdserve bench --mode sessions` (tests/bench/test_live_bench.py runs it against a cluster);
+here a live report is given, so what is tested is that the replay runs the very workload the live run sent
+and that the comparison reports each error and ratio."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from bench.live.arrivals import Arrivals
+from bench.live.sessions import plan_sessions
+from bench.replay.live_sessions import trace_of_plan
+from bench.replay.policies import available_policies
+from bench.replay.runner import replay_policy
+from bench.replay.sim import SimConfig
+from bench.replay.traces import infinite_cache_hit_ratio
+from bench.replay_vs_live import Outcome, compare, main
+from router.block_hash import hash_blocks
+from router.service_time import MeasuredEngine, MeasuredTiming
+
+FIT = MeasuredTiming(
+    prefill_fixed_s=7e-3,
+    prefill_token_s=14e-6,
+    prefill_pair_s=0.0,
+    decode_step_s=3e-3,
+    decode_seq_s=50e-6,
+    decode_context_token_s=0.3e-6,
+    transfer_fixed_s=3e-3,
+    transfer_token_s=0.2e-6,
+)
+
+
+def _plan(sessions: int = 4) -> object:
+    return plan_sessions(
+        num_sessions=sessions, max_turns=4, max_model_len=2048, max_output=16, gap_scale=0.1, seed=0
+    )
+
+
+def test_the_trace_carries_the_live_prompts_hashed_as_the_router_hashes_them() -> None:
+    plan = _plan()
+    starts = [0.0, 0.5, 1.0, 1.5]
+    trace = trace_of_plan(plan, starts, block_tokens=32)  # type: ignore[arg-type]
+    assert trace.session_starts == tuple(starts)
+    for turns, session in zip(plan.sessions, trace.sessions, strict=True):  # type: ignore[attr-defined]
+        for turn, req in zip(turns, session.requests, strict=True):
+            assert req.block_hashes == tuple(hash_blocks(turn.request.token_ids, 32))
+            assert req.num_prompt_tokens == len(turn.request.token_ids)
+            assert req.num_output_tokens == turn.request.max_tokens
+            assert req.gap_s == turn.gap_s
+            # A simulated BlockStored event carries the block's real token ids.
+            assert trace.hasher.tokens(list(req.block_hashes[:1])) == turn.request.token_ids[:32]
+    # A turn extends its previous one, so it shares its blocks: the bound is far from zero.
+    assert infinite_cache_hit_ratio(trace) > 0.5
+    with pytest.raises(ValueError, match="3 start times for 4 sessions"):
+        trace_of_plan(plan, starts[:3], block_tokens=32)  # type: ignore[arg-type]
+
+
+def test_the_replay_starts_each_session_at_its_time_and_counts_every_turn() -> None:
+    plan = _plan()
+    starts = Arrivals("poisson").offsets(4, 2.0, 0)
+    trace = trace_of_plan(plan, starts, block_tokens=32)  # type: ignore[arg-type]
+    cfg = SimConfig(
+        prefill_replicas=0,
+        decode_replicas=2,
+        gap_scale=1.0,
+        max_gap_s=math.inf,
+        timing=MeasuredEngine(fit=FIT),
+    )
+    _, records = replay_policy(
+        trace, "pdserve", available_policies()["pdserve"], cfg, infinite_cache_hit_ratio(trace)
+    )
+    assert len(records) == trace.num_requests()
+    assert all(r.in_window for r in records)
+    firsts = {r.session_id: r.arrival for r in records if r.request_id.endswith("/0")}
+    assert sorted(firsts.values()) == pytest.approx(sorted(starts))
+    # Each later turn is sent its gap after the previous reply finished.
+    by_id = {r.request_id: r for r in records}
+    for session in trace.sessions:
+        for prev, nxt in zip(session.requests, session.requests[1:], strict=False):
+            assert by_id[nxt.request_id].arrival == pytest.approx(by_id[prev.request_id].finish + nxt.gap_s)
+
+
+def _live_result(ttft: float, tpot: float, cached: float, local: float) -> dict[str, object]:
+    return {
+        "ttft_s": {"p50": ttft, "p95": ttft, "p99": 2 * ttft},
+        "tpot_s": {"p50": tpot, "p95": tpot, "p99": 2 * tpot},
+        "cached_share": cached,
+        "paths": {"local_prefill": local, "disaggregated": 1 - local},
+        "requests": 10,
+    }
+
+
+def test_the_comparison_states_each_error_and_pdserves_ratio_to_a_baseline_both_ways() -> None:
+    live = {
+        "a": Outcome.of_live(_live_result(0.020, 0.005, 0.8, 1.0)),
+        "a:round_robin": Outcome.of_live(_live_result(0.040, 0.005, 0.6, 1.0)),
+    }
+    replay = {
+        "a": Outcome(ttft_p50=0.022, ttft_p99=0.04, tpot_p50=0.004, tpot_p99=0.01, cached_share=0.78,
+                     decode_prefill_share=1.0, requests=10),
+        "a:round_robin": Outcome(ttft_p50=0.022, ttft_p99=0.08, tpot_p50=0.005, tpot_p99=0.01,
+                                 cached_share=0.65, decode_prefill_share=1.0, requests=10),
+    }  # fmt: skip
+    result = compare(live, replay, ["a", "a:round_robin"])
+    rows = {(r["system"], r["metric"]): r for r in result["figures"]}
+    assert rows[("a", "ttft_p50")]["error"] == pytest.approx(0.1)  # relative for latencies
+    assert rows[("a", "tpot_p50")]["error"] == pytest.approx(-0.2)
+    assert rows[("a", "cached_share")]["error"] == pytest.approx(-0.02)  # absolute for shares
+    ratio = {r["metric"]: r for r in result["ratios"]}
+    assert ratio["ttft_p50"]["live"] == pytest.approx(0.5)
+    assert ratio["ttft_p50"]["replay"] == pytest.approx(1.0)
+    assert ratio["ttft_p50"]["error"] == pytest.approx(1.0)
+    assert ratio["cached_share"]["replay"] == pytest.approx(0.78 / 0.65)
+
+
+def test_a_live_report_is_replayed_system_by_system(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    timing = tmp_path / "timing.json"
+    timing.write_text(json.dumps({"fit": {k: getattr(FIT, k) for k in FIT.__struct_fields__}}))
+    systems = ["aggregated2", "aggregated2:round_robin"]
+    report = {
+        "systems": {
+            s: {"model": {"max_model_len": 2048}, "results": [_live_result(0.02, 0.004, 0.8, 1.0)]}
+            for s in systems
+        }
+    }
+    live = tmp_path / "live.json"
+    live.write_text(json.dumps(report))
+    out = tmp_path / "cmp.json"
+    argv = ["--timing", str(timing), "--live", str(live), "--systems", ",".join(systems), "--sessions", "4"]
+    assert main([*argv, "--max-turns", "4", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "service time: a measured engine: prefill 7.0 ms" in printed
+    doc = json.loads(out.read_text())
+    # Two decode engines, no prefill pool: every turn prefilled on decode; pdserve keeps sessions on their
+    # replica, round robin does not.
+    assert doc["replay"]["aggregated2"]["decode_prefill_share"] == 1.0
+    assert (
+        doc["replay"]["aggregated2"]["cached_share"]
+        > doc["replay"]["aggregated2:round_robin"]["cached_share"]
+    )
+
+
+def test_a_timing_file_that_is_not_a_fit_and_a_system_without_engines_are_named(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    with pytest.raises(SystemExit) as exc:
+        main(["--timing", str(bad), "--live", str(bad)])
+    assert exc.value.code == 2
+    with pytest.raises(SystemExit):
+        main(["--timing", str(bad), "--systems", "doubles"])
