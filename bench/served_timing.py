@@ -1,0 +1,218 @@
+"""Time pdserve clusters as a client sees them, and fit `router.service_time.measured` to it.
+
+    .venv/bin/python -m bench.served_timing [--topology deploy/local.yaml] [--out served-timing.json]
+
+bench/engine_timing.py times the engines at their own interface, back to back. A request to a cluster pays
+more: the gRPC door, the router, the replica actor, the token channel back, and on a small machine the CPU
+those share with the engines; and an agent's turn reaches an engine that sat idle through the tool call.
+This script starts the topology's engines as two pdserve clusters in turn (bench/live/systems.py) and times
+requests at the client, each after an idle pause:
+- `aggregated` (one decode engine, no prefill pool): a decode step, B cached prompts generating K+1 tokens
+  (the client's time per output token, averaged over the batch); a prefill, N new prompt tokens after C of
+  the same session's cached ones, one output token (the client's time to first token less one step);
+- `pd` (every request through the prefill engine and a NIXL pull): the time to first token of N new tokens,
+  less the aggregated fit's prefill and step: what the prefill hop and the pull add.
+It fits them in `MeasuredTiming`'s form (bench/engine_timing.py's `fit`), writes the samples and the fit as
+JSON and prints the `router.service_time` section. `python -m bench.replay_vs_live --timing FILE` replays
+with either file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import platform
+import random
+import statistics
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from functools import partial
+from pathlib import Path
+
+import msgspec
+import yaml
+
+from bench.engine_timing import Plan, fit
+from bench.live.systems import started
+from bench.live.targets import Target, open_target
+from bench.live.workload import TOKEN_RANGE, Request
+from router.service_time import MeasuredEngine
+
+REPO = Path(__file__).resolve().parents[1]
+IDLE_S = 0.3  # before each timed request: the engines idle, as through an agent's tool call
+TIMEOUT_S = 120.0
+
+PLAN = Plan(
+    prefill_new=(32, 128, 512, 1024),
+    prefill_cached=(0, 256, 1024),
+    decode_batch=(1, 4, 16),
+    decode_context=(64, 512),
+    decode_steps=32,
+    transfer_tokens=(64, 256, 1024),
+    repeats=5,
+)
+QUICK = Plan(
+    prefill_new=(32, 256),
+    prefill_cached=(0, 256),
+    decode_batch=(1, 4),
+    decode_context=(64,),
+    decode_steps=8,
+    transfer_tokens=(64, 256),
+    repeats=1,
+)
+
+
+class _Client:
+    """Fresh prompts, each sent to the cluster as a session of its own."""
+
+    def __init__(self, target: Target, max_model_len: int) -> None:
+        self.target = target
+        self.room = max_model_len - 2
+        self._rng = random.Random(0)
+        self._ids = itertools.count()
+
+    def prompt(self, n: int) -> list[int]:
+        return [self._rng.randint(*TOKEN_RANGE) for _ in range(n)]
+
+    def session(self) -> str:
+        return f"timing-{next(self._ids)}"
+
+    async def send(self, prompt: list[int], max_tokens: int, session: str) -> tuple[float, float]:
+        """(time to first token, time per output token after it) at the client."""
+        timed = await self.target.send(
+            Request(token_ids=prompt, max_tokens=max_tokens, group=-1, session_id=session), TIMEOUT_S
+        )
+        if not timed.ok or timed.ttft is None:
+            raise RuntimeError(f"a timing request ended {timed.status}")
+        return timed.ttft, timed.tpot or 0.0
+
+
+async def _step_s(client: _Client, batch: int, context: int, steps: int) -> float:
+    prompts = [(client.prompt(context), client.session()) for _ in range(batch)]
+    await asyncio.gather(*(client.send(p, 1, s) for p, s in prompts))  # cached from here on
+    await asyncio.sleep(IDLE_S)
+    timed = await asyncio.gather(*(client.send(p, steps + 1, s) for p, s in prompts))
+    return statistics.mean(tpot for _, tpot in timed)
+
+
+async def _ttft_s(client: _Client, new: int, cached: int) -> float:
+    session = client.session()
+    head = client.prompt(cached)
+    if cached:
+        await client.send(head, 1, session)  # the session's replica now holds it
+    await asyncio.sleep(IDLE_S)
+    ttft, _ = await client.send(head + client.prompt(new), 1, session)
+    return ttft
+
+
+async def _median(repeats: int, once: Callable[[], Awaitable[float]]) -> float:
+    return statistics.median([await once() for _ in range(repeats)])
+
+
+async def measure_aggregated(client: _Client, plan: Plan, say: Callable[[str], None]) -> dict[str, list]:
+    await _ttft_s(client, 64, 64)  # warm-up: the first requests pay one-off costs
+    await _step_s(client, 2, 64, 4)
+    decode = []
+    for batch, context in itertools.product(plan.decode_batch, plan.decode_context):
+        if context + plan.decode_steps <= client.room:
+            s = await _median(plan.repeats, partial(_step_s, client, batch, context, plan.decode_steps))
+            decode.append({"batch": batch, "context": batch * (context + plan.decode_steps / 2), "s": s})
+            say(f"decode step, {batch:3d} sequences of {context:5d} tokens: {s * 1e3:8.2f} ms")
+    ttft = []
+    for new, cached in itertools.product(plan.prefill_new, plan.prefill_cached):
+        if new + cached <= client.room:
+            s = await _median(plan.repeats, partial(_ttft_s, client, new, cached))
+            ttft.append({"new": new, "cached": cached, "ttft": s})
+            say(f"time to first token, {new:5d} new after {cached:5d} cached: {s * 1e3:8.2f} ms")
+    return {"decode": decode, "ttft": ttft}
+
+
+async def measure_pd(client: _Client, plan: Plan, say: Callable[[str], None]) -> list[dict[str, float]]:
+    await _ttft_s(client, 64, 0)
+    out = []
+    for tokens in plan.transfer_tokens:
+        if tokens <= client.room:
+            s = await _median(plan.repeats, partial(_ttft_s, client, tokens, 0))
+            out.append({"tokens": tokens, "ttft": s})
+            say(f"time to first token through the prefill pool, {tokens:5d} tokens: {s * 1e3:8.2f} ms")
+    return out
+
+
+def fit_served(aggregated: dict[str, list], pd: list[dict[str, float]]) -> tuple[dict[str, list], object]:
+    """The samples in engine_timing's shape and their fit: a prefill is the time to first token less one
+    step of its own sequence; a pull what the P/D path adds to that prefill and step."""
+    decode_only = fit({"prefill": [{"new": 1, "cached": 0, "s": 0.0}], "decode": aggregated["decode"],
+                       "transfer": [{"tokens": 1, "s": 0.0}]})  # fmt: skip
+    steps = MeasuredEngine(fit=decode_only)
+    prefill = [
+        {"new": p["new"], "cached": p["cached"], "s": p["ttft"] - steps.tpot_s(1, p["new"] + p["cached"])}
+        for p in aggregated["ttft"]
+    ]
+    prefill_only = fit(
+        {"prefill": prefill, "decode": aggregated["decode"], "transfer": [{"tokens": 1, "s": 0.0}]}
+    )
+    engine = MeasuredEngine(fit=prefill_only)
+    transfer = []
+    for p in pd:
+        tokens = int(p["tokens"])
+        hop = p["ttft"] - engine.prefill_s(tokens, 0) - engine.tpot_s(1, tokens)
+        transfer.append({"tokens": tokens, "s": max(0.0, hop)})
+    samples = {"prefill": prefill, "decode": aggregated["decode"], "transfer": transfer}
+    return samples, fit(samples)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--topology", type=Path, default=REPO / "deploy" / "local.yaml")
+    ap.add_argument("--out", type=Path, default=Path("served-timing.json"))
+    ap.add_argument("--quick", action="store_true", help="a few points, once each (a smoke test)")
+    args = ap.parse_args(argv)
+    plan = QUICK if args.quick else PLAN
+    say = lambda line: print(line, flush=True)  # noqa: E731
+
+    async def against(address: str, part: Callable[[_Client, Plan, Callable[[str], None]], object]) -> object:
+        target = open_target(address)
+        try:
+            served = await target.served()
+            return await part(_Client(target, served.max_model_len), plan, say)  # type: ignore[misc]
+        finally:
+            await target.aclose()
+
+    measured: dict[str, object] = {}
+    for system, part in (("aggregated", measure_aggregated), ("pd", measure_pd)):
+        say(f"starting {system} ...")
+        try:
+            with started(system, args.topology) as address:
+                measured[system] = asyncio.run(against(address, part))
+        except (RuntimeError, TimeoutError) as exc:
+            print(f"bench.served_timing: {system}: {exc}", file=sys.stderr)
+            return 1
+    samples, fitted = fit_served(measured["aggregated"], measured["pd"])  # type: ignore[arg-type]
+    args.out.write_text(
+        json.dumps(
+            {
+                "topology": str(args.topology),
+                "measured": "at the client, through pdserve (bench.served_timing)",
+                "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}",
+                "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+                "client": measured,
+                "samples": samples,
+                "fit": msgspec.to_builtins(fitted),
+            },
+            indent=1,
+        )
+    )
+    print(f"\nsamples and fit: {args.out}\nthe topology's section:\n")
+    print(
+        yaml.safe_dump(
+            {"router": {"service_time": {"measured": msgspec.to_builtins(fitted)}}}, sort_keys=False
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

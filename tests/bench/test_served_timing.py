@@ -1,0 +1,86 @@
+"""Timing a cluster at the client (bench/served_timing.py): what each probe sends, and the fit.
+
+The probes run against real clusters in `python -m bench.served_timing` (minutes: two clusters started);
+here a recording stand-in for the client's target shows what they send, and the fit is checked on samples
+made from known coefficients."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from bench.live.runner import Timed
+from bench.live.workload import Request
+from bench.served_timing import _Client, _step_s, _ttft_s, fit_served
+from router.service_time import MeasuredEngine, MeasuredTiming
+
+
+class _Recorder:
+    """A target that answers at once and remembers every request."""
+
+    address = "recorder"
+
+    def __init__(self) -> None:
+        self.sent: list[Request] = []
+
+    async def send(self, req: Request, timeout_s: float) -> Timed:
+        self.sent.append(req)
+        t = Timed(sent=0.0, first_token=0.01, end=0.01 + 0.003 * (req.max_tokens - 1))
+        t.completion_tokens = req.max_tokens
+        return t
+
+
+def test_a_prefill_probe_sends_the_cached_head_first_in_the_same_session() -> None:
+    target = _Recorder()
+    client = _Client(target, max_model_len=2048)  # type: ignore[arg-type]
+    ttft = asyncio.run(_ttft_s(client, new=32, cached=64))
+    head, full = target.sent
+    assert ttft == pytest.approx(0.01)
+    assert head.session_id == full.session_id
+    assert full.token_ids[:64] == head.token_ids and len(full.token_ids) == 96
+    assert head.max_tokens == full.max_tokens == 1
+    # Without a cached part, one request; every probe is a session of its own, with fresh ids.
+    asyncio.run(_ttft_s(client, new=32, cached=0))
+    assert len(target.sent) == 3 and target.sent[2].session_id != full.session_id
+    assert target.sent[2].token_ids[:32] != full.token_ids[:32]
+
+
+def test_a_decode_probe_caches_its_prompts_then_times_k_more_tokens_each() -> None:
+    target = _Recorder()
+    client = _Client(target, max_model_len=2048)  # type: ignore[arg-type]
+    step = asyncio.run(_step_s(client, batch=3, context=64, steps=8))
+    assert step == pytest.approx(0.003)
+    assert [r.max_tokens for r in target.sent] == [1, 1, 1, 9, 9, 9]
+    assert [r.token_ids for r in target.sent[:3]] == [r.token_ids for r in target.sent[3:]]
+
+
+def test_the_fit_takes_a_step_from_each_time_to_first_token_and_the_prefill_from_each_pd_one() -> None:
+    truth = MeasuredTiming(
+        prefill_fixed_s=0.008,
+        prefill_token_s=20e-6,
+        prefill_pair_s=0.0,
+        decode_step_s=0.003,
+        decode_seq_s=0.0005,
+        decode_context_token_s=0.0,
+        transfer_fixed_s=0.020,
+        transfer_token_s=1e-6,
+    )
+    engine = MeasuredEngine(fit=truth)
+    decode = [
+        {"batch": b, "context": b * (c + 16), "s": engine.tpot_s(b, b * (c + 16))}
+        for b in (1, 4, 16)
+        for c in (64, 512)
+    ]
+    ttft = [
+        {"new": n, "cached": c, "ttft": engine.prefill_s(n, c) + engine.tpot_s(1, n + c)}
+        for n in (32, 256, 1024)
+        for c in (0, 256)
+    ]
+    pd = [
+        {"tokens": t, "ttft": engine.prefill_s(t, 0) + engine.transfer_s(t) + engine.tpot_s(1, t)}
+        for t in (64, 256, 1024)
+    ]
+    _, fitted = fit_served({"decode": decode, "ttft": ttft}, pd)
+    for name in truth.__struct_fields__:
+        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), abs=1e-7), name
