@@ -231,6 +231,17 @@ def start_engines(topo: Topology) -> _Engines:
     return _Engines(prefill, decode, topo.model.max_model_len)
 
 
+def write_report(out: Path, fitted: MeasuredTiming, what: dict[str, Any]) -> None:
+    """The samples and the fit as JSON (`what`, the machine, the time, the fit), and the topology's section
+    printed."""
+    machine = {"machine": f"{platform.machine()}, {platform.processor() or 'cpu'}"}
+    when = {"when": time.strftime("%Y-%m-%d %H:%M:%S")}
+    fit_doc = {"fit": msgspec.to_builtins(fitted)}
+    out.write_text(json.dumps(what | machine | when | fit_doc, indent=1))
+    print(f"\nsamples and fit: {out}\nthe topology's section:\n")
+    print(yaml.safe_dump({"router": {"service_time": {"measured": fit_doc["fit"]}}}, sort_keys=False))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--topology", type=Path, default=REPO / "deploy" / "local.yaml")
@@ -251,24 +262,10 @@ def main(argv: list[str] | None = None) -> int:
         engines.prefill.shutdown()
         engines.decode.shutdown()
     fitted = fit(samples)
-    args.out.write_text(
-        json.dumps(
-            {
-                "topology": str(args.topology),
-                "model": topo.model.name,
-                "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}",
-                "when": time.strftime("%Y-%m-%d %H:%M:%S"),
-                "samples": samples,
-                "fit": msgspec.to_builtins(fitted),
-            },
-            indent=1,
-        )
-    )
-    print(f"\nsamples and fit: {args.out}\nthe topology's section:\n")
-    print(
-        yaml.safe_dump(
-            {"router": {"service_time": {"measured": msgspec.to_builtins(fitted)}}}, sort_keys=False
-        )
+    write_report(
+        args.out,
+        fitted,
+        {"topology": str(args.topology), "model": topo.model.name, "samples": samples},
     )
     return 0
 

@@ -22,24 +22,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
-import platform
 import random
 import statistics
 import sys
-import time
 from collections.abc import Awaitable, Callable
 from functools import partial
 from pathlib import Path
 
-import msgspec
-import yaml
-
-from bench.engine_timing import Plan, fit
+from bench.engine_timing import Plan, fit, write_report
 from bench.live.systems import started
 from bench.live.targets import Target, open_target
 from bench.live.workload import TOKEN_RANGE, Request
-from router.service_time import MeasuredEngine
+from router.service_time import MeasuredEngine, MeasuredTiming
 
 REPO = Path(__file__).resolve().parents[1]
 IDLE_S = 0.3  # before each timed request: the engines idle, as through an agent's tool call
@@ -141,7 +135,9 @@ async def measure_pd(client: _Client, plan: Plan, say: Callable[[str], None]) ->
     return out
 
 
-def fit_served(aggregated: dict[str, list], pd: list[dict[str, float]]) -> tuple[dict[str, list], object]:
+def fit_served(
+    aggregated: dict[str, list], pd: list[dict[str, float]]
+) -> tuple[dict[str, list], MeasuredTiming]:
     """The samples in engine_timing's shape and their fit: a prefill is the time to first token less one
     step of its own sequence; a pull what the P/D path adds to that prefill and step."""
     decode_only = fit({"prefill": [{"new": 1, "cached": 0, "s": 0.0}], "decode": aggregated["decode"],
@@ -191,26 +187,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"bench.served_timing: {system}: {exc}", file=sys.stderr)
             return 1
     samples, fitted = fit_served(measured["aggregated"], measured["pd"])  # type: ignore[arg-type]
-    args.out.write_text(
-        json.dumps(
-            {
-                "topology": str(args.topology),
-                "measured": "at the client, through pdserve (bench.served_timing)",
-                "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}",
-                "when": time.strftime("%Y-%m-%d %H:%M:%S"),
-                "client": measured,
-                "samples": samples,
-                "fit": msgspec.to_builtins(fitted),
-            },
-            indent=1,
-        )
-    )
-    print(f"\nsamples and fit: {args.out}\nthe topology's section:\n")
-    print(
-        yaml.safe_dump(
-            {"router": {"service_time": {"measured": msgspec.to_builtins(fitted)}}}, sort_keys=False
-        )
-    )
+    what = {
+        "topology": str(args.topology),
+        "measured": "at the client, through pdserve (bench.served_timing)",
+        "client": measured,
+        "samples": samples,
+    }
+    write_report(args.out, fitted, what)
     return 0
 
 
