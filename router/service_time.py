@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import statistics
 from pathlib import Path
 from typing import Annotated, Literal
@@ -85,6 +86,11 @@ class MeasuredTiming(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     decode_context_token_s: NonNegative
     transfer_fixed_s: NonNegative
     transfer_token_s: NonNegative
+    # Where the engines share their cores with the serving layer and with each other (CPU engines on one
+    # machine): a prefill, and a decode step, take (1 + x * sqrt(k)) times as long while k other requests are
+    # in flight on other replicas (`python -m bench.served_timing` measures both; GPU engines: 0).
+    prefill_contention: NonNegative = 0.0
+    decode_contention: NonNegative = 0.0
 
 
 class ServiceTime(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -109,6 +115,12 @@ class ServiceTime(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
                 f"{1e6 * m.prefill_token_s:.1f} us a token, decode step {1e3 * m.decode_step_s:.1f} ms + "
                 f"{1e6 * m.decode_seq_s:.1f} us a sequence, KV pull {1e3 * m.transfer_fixed_s:.1f} ms + "
                 f"{1e6 * m.transfer_token_s:.2f} us a token"
+                + (
+                    f", prefill / step x(1 + {m.prefill_contention:.2f} / {m.decode_contention:.2f} sqrt(k)) "
+                    "with k requests on other replicas"
+                    if m.prefill_contention or m.decode_contention
+                    else ""
+                )
             )
         return (
             f"{self.gpus_per_replica} {self.hardware} GPUs a replica, a model of "
@@ -184,6 +196,10 @@ class ServiceTimeModel(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
         tpot = self.tpot_s(batch, context_tokens) if tpot_s is None else tpot_s
         return _mixed_steps(new_tokens, batch, self.chunk_tokens, prefill, tpot)
 
+    def contention(self, others: int) -> tuple[float, float]:
+        """(prefill, decode step) slowdown while `others` requests run on other replicas: none on GPUs."""
+        return 1.0, 1.0
+
     def transfer_s(self, tokens: int, same_node: bool = False) -> float:
         """Seconds to move `tokens` tokens of KV from a prefill to a decode replica."""
         if tokens <= 0:
@@ -234,6 +250,14 @@ class MeasuredEngine(msgspec.Struct, frozen=True, kw_only=True):
         prefill = self.prefill_s(new_tokens, cached_tokens) if prefill_s is None else prefill_s
         tpot = self.tpot_s(batch, context_tokens) if tpot_s is None else tpot_s
         return _mixed_steps(new_tokens, batch, self.chunk_tokens, prefill, tpot)
+
+    def contention(self, others: int) -> tuple[float, float]:
+        """(prefill, decode step) slowdown while `others` requests run on other replicas
+        (`MeasuredTiming.prefill_contention`)."""
+        if others <= 0:
+            return 1.0, 1.0
+        root = math.sqrt(others)
+        return 1.0 + self.fit.prefill_contention * root, 1.0 + self.fit.decode_contention * root
 
     def transfer_s(self, tokens: int, same_node: bool = False) -> float:
         """Seconds to pull `tokens` tokens of KV (measured on one machine: `same_node` changes nothing)."""

@@ -33,7 +33,9 @@ replica, the blocks of running sequences are allocated (pinned) until they finis
    recomputed whenever the batch changes. A local prefill on the replica is chunked between its decode steps
    as vLLM schedules it (`ServiceTimeModel.mixed_prefill`): while it runs, each step is as slow as the larger
    of the decode step and the prompt's chunk, so co-located sequences slow down rather than stop. TTFT =
-   first decode step.
+   first decode step. Where the timing has contention (`Timing.contention`: CPU engines sharing cores), a
+   prefill takes longer, and a batch steps slower, with the requests in flight on other replicas; every
+   batch's rate is recomputed whenever that count changes, a prefill's length is set when it starts.
 5. Finish: `policy.on_finish`; in a closed-loop replay the session's next turn is sent after its recorded
    gap.
 
@@ -285,6 +287,10 @@ class Simulator:
         # fraction of its capacity.
         self.pinned_peak = 0.0
         self.decide_s = 0.0
+        # Requests sent and not finished, and whether service times depend on them (engines that share cores
+        # with each other and the serving layer: `Timing.contention`).
+        self.in_flight = 0
+        self._contended = config.timing.contention(1) != (1.0, 1.0)
         self.decisions = 0
 
     def _load_tracker(self) -> LoadTracker:
@@ -410,6 +416,7 @@ class Simulator:
             self.pinned_peak = max(self.pinned_peak, server.cache.pinned_blocks / cap)
 
     def _arrive(self, job: _Job) -> None:
+        self._change_in_flight(1)
         rec = job.rec
         rec.arrival = self.now
         self.records.append(rec)
@@ -530,17 +537,25 @@ class Simulator:
                 self._unpin(pin)
         pulled = cached_tokens - local_tokens
         new_tokens = n - cached_tokens
+        slower_prefill, slower_step = self.timing.contention(self._others(server))
+        prefill_s = self.timing.prefill_s(new_tokens, cached_tokens) * slower_prefill
         if isinstance(server, _DecodeServer):
             # Chunked between the batch's decode steps, which go on one token per (slower) mixed step.
             self._advance_decode(server)
+            batch, context = len(server.remaining), server.context_tokens
             steps, step = self.timing.mixed_prefill(
-                new_tokens, cached_tokens, len(server.remaining), server.context_tokens
+                new_tokens,
+                cached_tokens,
+                batch,
+                context,
+                prefill_s=prefill_s,
+                tpot_s=self.timing.tpot_s(batch, context) * slower_step,
             )
             duration = steps * step
             server.mixed_step_s = step
             self._reschedule_decode(server)
         else:
-            duration = self.timing.prefill_s(new_tokens, cached_tokens)
+            duration = prefill_s
         if pulled:
             duration += self.timing.transfer_s(pulled)
         rec.cached_blocks = max(hits, cached_tokens // self.block_tokens)
@@ -577,7 +592,27 @@ class Simulator:
     def _tpot(self, server: _DecodeServer) -> float:
         if server.mixed_step_s is not None:
             return server.mixed_step_s
-        return self.timing.tpot_s(len(server.remaining), server.context_tokens)
+        step = self.timing.tpot_s(len(server.remaining), server.context_tokens)
+        return step * self.timing.contention(self._others(server))[1] if self._contended else step
+
+    def _others(self, server: _PrefillServer) -> int:
+        """Requests in flight on other replicas than `server` (sent and not finished, wherever they are)."""
+        own = len(server.queue) + (server.running is not None)
+        if isinstance(server, _DecodeServer):
+            own += len(server.remaining)
+        return max(0, self.in_flight - own)
+
+    def _change_in_flight(self, delta: int) -> None:
+        """A request sent (+1) or finished (-1). With contention every batch's rate depends on the count:
+        each is credited at its old rate up to now, then rescheduled at the new one."""
+        if not self._contended:
+            self.in_flight += delta
+            return
+        for server in self.decode:
+            self._advance_decode(server)
+        self.in_flight += delta
+        for server in self.decode:
+            self._reschedule_decode(server)
 
     def _advance_decode(self, server: _DecodeServer) -> None:
         """Credit every active sequence with the tokens generated since the last batch change."""
@@ -621,6 +656,7 @@ class Simulator:
     def _finish(self, job: _Job) -> None:
         assert job.decision is not None and job.router is not None
         job.rec.finish = self.now
+        self._change_in_flight(-1)
         if self.cfg.readback_ttl_s is not None:
             self._pin(job)  # the finished sequence's blocks stay allocated for readback
         elif job.pinned:

@@ -10,6 +10,7 @@ import json
 import math
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from bench.live.arrivals import Arrivals
@@ -17,7 +18,7 @@ from bench.live.sessions import plan_sessions
 from bench.replay.live_sessions import trace_of_plan
 from bench.replay.policies import available_policies
 from bench.replay.runner import replay_policy
-from bench.replay.sim import SimConfig
+from bench.replay.sim import RequestRecord, SimConfig
 from bench.replay.traces import infinite_cache_hit_ratio
 from bench.replay_vs_live import Outcome, compare, main
 from router.block_hash import hash_blocks
@@ -155,3 +156,33 @@ def test_a_timing_file_that_is_not_a_fit_and_a_system_without_engines_are_named(
     assert exc.value.code == 2
     with pytest.raises(SystemExit):
         main(["--timing", str(bad), "--systems", "doubles"])
+
+
+def _first_turns(sessions: int, x: float) -> list[RequestRecord]:
+    """Every session started at once on two decode replicas; the first turns in the order they arrived."""
+    plan = _plan(sessions)
+    trace = trace_of_plan(plan, [0.0] * sessions, block_tokens=32)  # type: ignore[arg-type]
+    fit = msgspec.structs.replace(FIT, prefill_contention=x, decode_contention=x)
+    cfg = SimConfig(
+        prefill_replicas=0,
+        decode_replicas=2,
+        gap_scale=1.0,
+        max_gap_s=math.inf,
+        timing=MeasuredEngine(fit=fit),
+    )
+    _, records = replay_policy(trace, "least_loaded", available_policies()["least_loaded"], cfg, 0.5)
+    return [r for r in records if r.request_id.endswith("/0")]
+
+
+def test_with_contention_a_turn_is_slower_while_another_runs_elsewhere_and_not_alone() -> None:
+    assert [r.ttft for r in _first_turns(1, 0.0)] == [r.ttft for r in _first_turns(1, 0.5)]
+    quiet, contended = _first_turns(2, 0.0), _first_turns(2, 0.5)
+    assert {r.decode_replica for r in quiet} == {"d0", "d1"}
+    # One other request in flight: 1 + 0.5 x sqrt(1). The first turn's prefill started before the second
+    # arrived (a prefill's slowdown is set when it starts); its first decode step is slowed, as is all of the
+    # second turn's.
+    first, second = quiet
+    prefill = first.prefill_end - first.prefill_start
+    assert contended[0].ttft == pytest.approx(prefill + 1.5 * (first.ttft - prefill))
+    assert contended[1].ttft == pytest.approx(1.5 * second.ttft)
+    assert all(c.tpot > q.tpot for c, q in zip(contended, quiet, strict=True))  # type: ignore[operator]

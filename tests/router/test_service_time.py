@@ -47,3 +47,12 @@ def test_a_topology_carries_the_measured_section_and_refuses_a_bad_one_by_field_
     with pytest.raises(TopologyError) as info:
         parse_topology(yaml.safe_dump({"router": {"service_time": {"measured": measured}}}))
     assert info.value.path == "router.service_time.measured.prefill_fixed_s"
+
+
+def test_contention_slows_a_measured_engine_with_the_root_of_the_others_in_flight_and_never_a_gpu() -> None:
+    timing = MeasuredEngine(fit=msgspec.structs.replace(FIT, prefill_contention=0.25, decode_contention=0.5))
+    assert timing.contention(0) == (1.0, 1.0)
+    assert timing.contention(4) == pytest.approx((1.5, 2.0))
+    assert MeasuredEngine(fit=FIT).contention(9) == (1.0, 1.0)  # none measured: none charged
+    assert ServiceTimeModel().contention(100) == (1.0, 1.0)
+    assert "sqrt(k)" in ServiceTime(measured=timing.fit).describe()
