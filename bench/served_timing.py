@@ -11,7 +11,11 @@ requests at the client, each after an idle pause:
   (the client's time per output token, averaged over the batch); a prefill, N new prompt tokens after C of
   the same session's cached ones, one output token (the client's time to first token less one step);
 - `pd` (every request through the prefill engine and a NIXL pull): the time to first token of N new tokens,
-  less the aggregated fit's prefill and step: what the prefill hop and the pull add.
+  less the aggregated fit's prefill and step: what the prefill hop and the pull add;
+- `aggregated2` (two decode engines, one a core, so nothing is left for the serving layer but the engines'
+  cores): a session-shaped turn (256 cached tokens, 32 new, 32 output) while k other streams run, wherever
+  the router puts them: how much slower its time to first token and its tokens get with k, fitted as
+  1 + x * sqrt(k) (`MeasuredTiming.prefill_contention`, `decode_contention`).
 It fits them in `MeasuredTiming`'s form (bench/engine_timing.py's `fit`), writes the samples and the fit as
 JSON and prints the `router.service_time` section. `python -m bench.replay_vs_live --timing FILE` replays
 with either file.
@@ -22,12 +26,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import math
 import random
 import statistics
 import sys
 from collections.abc import Awaitable, Callable
 from functools import partial
 from pathlib import Path
+
+import msgspec
 
 from bench.engine_timing import Plan, fit, write_report
 from bench.live.systems import started
@@ -39,15 +46,18 @@ REPO = Path(__file__).resolve().parents[1]
 IDLE_S = 0.3  # before each timed request: the engines idle, as through an agent's tool call
 TIMEOUT_S = 120.0
 
+# Up to the model's whole context: an agent's turn is a few new tokens after a long cached one.
 PLAN = Plan(
-    prefill_new=(32, 128, 512, 1024),
-    prefill_cached=(0, 256, 1024),
+    prefill_new=(32, 128, 512, 1024, 1536, 2000),
+    prefill_cached=(0, 512, 1024, 1536, 1984),
     decode_batch=(1, 4, 16),
     decode_context=(64, 512),
     decode_steps=32,
     transfer_tokens=(64, 256, 1024),
     repeats=5,
 )
+CONTENTION_STREAMS = (0, 1, 2, 4, 8)
+CONTENTION_STREAMS_QUICK = (0, 2)
 QUICK = Plan(
     prefill_new=(32, 256),
     prefill_cached=(0, 256),
@@ -135,8 +145,62 @@ async def measure_pd(client: _Client, plan: Plan, say: Callable[[str], None]) ->
     return out
 
 
+async def _contended_s(client: _Client, others: int, repeats: int) -> tuple[float, float]:
+    """Median (time to first token, time per output token) of a session's turn while `others` streams run."""
+    running = True
+
+    async def stream(i: int) -> None:
+        while running:
+            await client.send(client.prompt(64), 200, client.session())
+
+    streams = [asyncio.create_task(stream(i)) for i in range(others)]
+    try:
+        await asyncio.sleep(0.5)  # every stream under way
+        ttft, tpot = [], []
+        for _ in range(repeats):
+            session, head = client.session(), client.prompt(256)
+            await client.send(head, 1, session)
+            await asyncio.sleep(IDLE_S)
+            first, per_token = await client.send(head + client.prompt(32), 33, session)
+            ttft.append(first)
+            tpot.append(per_token)
+    finally:
+        running = False
+        await asyncio.gather(*streams)
+    return statistics.median(ttft), statistics.median(tpot)
+
+
+async def measure_contention(
+    client: _Client, streams: tuple[int, ...], repeats: int, say: Callable[[str], None]
+) -> list[dict[str, float]]:
+    await _contended_s(client, 0, 1)
+    out = []
+    for k in streams:
+        ttft, tpot = await _contended_s(client, k, repeats)
+        out.append({"others": k, "ttft": ttft, "tpot": tpot})
+        say(
+            f"a turn while {k} other streams run: first token {ttft * 1e3:8.2f} ms, "
+            f"{tpot * 1e3:6.2f} ms a token"
+        )
+    return out
+
+
+def fit_contention(samples: list[dict[str, float]]) -> tuple[float, float]:
+    """(prefill, decode) x of slowdown = 1 + x * sqrt(k), against the k = 0 sample, least squares, >= 0."""
+    quiet = next(s for s in samples if s["others"] == 0)
+    loaded = [s for s in samples if s["others"] > 0]
+    roots = [math.sqrt(s["others"]) for s in loaded]
+
+    def slope(key: str) -> float:
+        excess = [s[key] / quiet[key] - 1.0 for s in loaded]
+        den = sum(r * r for r in roots)
+        return max(0.0, sum(r * e for r, e in zip(roots, excess, strict=True)) / den) if den else 0.0
+
+    return slope("ttft"), slope("tpot")
+
+
 def fit_served(
-    aggregated: dict[str, list], pd: list[dict[str, float]]
+    aggregated: dict[str, list], pd: list[dict[str, float]], contention: list[dict[str, float]] | None = None
 ) -> tuple[dict[str, list], MeasuredTiming]:
     """The samples in engine_timing's shape and their fit: a prefill is the time to first token less one
     step of its own sequence; a pull what the P/D path adds to that prefill and step."""
@@ -157,7 +221,12 @@ def fit_served(
         hop = p["ttft"] - engine.prefill_s(tokens, 0) - engine.tpot_s(1, tokens)
         transfer.append({"tokens": tokens, "s": max(0.0, hop)})
     samples = {"prefill": prefill, "decode": aggregated["decode"], "transfer": transfer}
-    return samples, fit(samples)
+    fitted = fit(samples)
+    if contention:
+        samples["contention"] = contention
+        x_prefill, x_decode = fit_contention(contention)
+        fitted = msgspec.structs.replace(fitted, prefill_contention=x_prefill, decode_contention=x_decode)
+    return samples, fitted
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,7 +247,12 @@ def main(argv: list[str] | None = None) -> int:
             await target.aclose()
 
     measured: dict[str, object] = {}
-    for system, part in (("aggregated", measure_aggregated), ("pd", measure_pd)):
+
+    def contention(client: _Client, plan: Plan, say: Callable[[str], None]) -> Awaitable[list]:
+        return measure_contention(client, streams, plan.repeats, say)
+
+    streams = CONTENTION_STREAMS_QUICK if args.quick else CONTENTION_STREAMS
+    for system, part in (("aggregated", measure_aggregated), ("pd", measure_pd), ("aggregated2", contention)):
         say(f"starting {system} ...")
         try:
             with started(system, args.topology) as address:
@@ -186,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         except (RuntimeError, TimeoutError) as exc:
             print(f"bench.served_timing: {system}: {exc}", file=sys.stderr)
             return 1
-    samples, fitted = fit_served(measured["aggregated"], measured["pd"])  # type: ignore[arg-type]
+    samples, fitted = fit_served(measured["aggregated"], measured["pd"], measured["aggregated2"])  # type: ignore[arg-type]
     what = {
         "topology": str(args.topology),
         "measured": "at the client, through pdserve (bench.served_timing)",

@@ -12,7 +12,7 @@ import pytest
 
 from bench.live.runner import Timed
 from bench.live.workload import Request
-from bench.served_timing import _Client, _step_s, _ttft_s, fit_served
+from bench.served_timing import _Client, _step_s, _ttft_s, fit_contention, fit_served
 from router.service_time import MeasuredEngine, MeasuredTiming
 
 
@@ -84,3 +84,18 @@ def test_the_fit_takes_a_step_from_each_time_to_first_token_and_the_prefill_from
     _, fitted = fit_served({"decode": decode, "ttft": ttft}, pd)
     for name in truth.__struct_fields__:
         assert getattr(fitted, name) == pytest.approx(getattr(truth, name), abs=1e-7), name
+
+
+def test_contention_is_fitted_against_the_quiet_turn_as_one_plus_x_root_k() -> None:
+    samples = [
+        {"others": k, "ttft": 0.012 * (1 + 0.3 * k**0.5), "tpot": 0.003 * (1 + 0.6 * k**0.5)}
+        for k in (0, 1, 4, 9)
+    ]
+    assert fit_contention(samples) == pytest.approx((0.3, 0.6))
+    # A turn that got faster with company is no contention, not a negative one.
+    assert fit_contention(
+        [{"others": 0, "ttft": 0.01, "tpot": 0.003}, {"others": 2, "ttft": 0.009, "tpot": 0.003}]
+    ) == (
+        0.0,
+        0.0,
+    )
