@@ -112,13 +112,19 @@ def load_fit(path: Path) -> MeasuredTiming:
         raise ValueError(f"--timing {path}: not a bench.engine_timing report ({exc})") from None
 
 
-def system_topology(base: Path, system: str) -> Topology:
-    return parse_topology(topology(base, overrides(system)), source=f"{base} as {system}")
+def system_topology(base: Path, system: str, fit: MeasuredTiming | None = None) -> Topology:
+    """`system`'s topology from `base`, with `fit` as its measured service time when given."""
+    changes = overrides(system)
+    if fit is not None:
+        changes |= {"router.service_time.measured": msgspec.to_builtins(fit)}
+    return parse_topology(topology(base, changes), source=f"{base} as {system}")
 
 
-def replay_system(base: Path, system: str, args: argparse.Namespace, max_model_len: int) -> Outcome:
-    """The replay of `system` on the sessions the live run sent."""
-    topo = system_topology(base, system)
+def replay_system(
+    base: Path, system: str, args: argparse.Namespace, max_model_len: int, fit: MeasuredTiming | None = None
+) -> Outcome:
+    """The replay of `system` on the sessions the live run sent (timed by `fit`, default `base`'s)."""
+    topo = system_topology(base, system, fit)
     plan = plan_sessions(
         num_sessions=args.sessions,
         max_turns=args.max_turns,
@@ -215,9 +221,35 @@ def _systems(text: str) -> list[str]:
     return chosen
 
 
+def _system_timing(text: str) -> tuple[str, MeasuredTiming]:
+    name, eq, path = text.partition("=")
+    if not eq or not known(name) or _parts(name)[1] is not None or name in ("vllm", "doubles"):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected NAME=FILE, NAME a pdserve system on real engines"
+        )
+    try:
+        return name, load_fit(Path(path))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.replay_vs_live", description=__doc__.split("\n\n")[0])
-    p.add_argument("--timing", type=Path, required=True, help="bench.engine_timing's JSON report")
+    p.add_argument(
+        "--timing",
+        type=Path,
+        required=True,
+        help="bench.engine_timing's or bench.served_timing's JSON report",
+    )
+    p.add_argument(
+        "--timing-for",
+        type=_system_timing,
+        action="append",
+        default=[],
+        metavar="NAME=FILE",
+        help="the replay of system NAME (with any policy) is timed by FILE instead, e.g. aggregated2=a2.json "
+        "(`bench.served_timing --system aggregated2`); the live router keeps --timing's",
+    )
     p.add_argument("--topology", type=Path, default=REPO / "deploy" / "local.yaml")
     p.add_argument("--systems", type=_systems, default=list(DEFAULT_SYSTEMS))
     p.add_argument("--sessions", type=int, default=8)
@@ -253,17 +285,22 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--live {args.live}: no run of {', '.join(missing)}")
         max_model_len = next(iter(report["systems"].values()))["model"]["max_model_len"]
         live = {s: Outcome.of_live(report["systems"][s]["results"][0]) for s in systems}
+        timing_for = dict(args.timing_for)
         replay = {}
         for s in systems:
-            replay[s] = replay_system(topo_file, s, args, max_model_len)
+            replay[s] = replay_system(topo_file, s, args, max_model_len, timing_for.get(_parts(s)[0]))
     result = compare(live, replay, systems)
-    print(f"service time: {parse_topology(base).router.service_time.describe()}")
+    service_time = parse_topology(base).router.service_time
+    print(f"service time: {service_time.describe()}")
+    for name, fit_for in args.timing_for:
+        print(f"  {name}: {msgspec.structs.replace(service_time, measured=fit_for).describe()}")
     print(format_comparison(result))
     if args.json is not None:
         result |= {
             "live": {k: asdict(v) for k, v in live.items()},
             "replay": {k: asdict(v) for k, v in replay.items()},
             "fit": msgspec.to_builtins(fit),
+            "fit_for": {name: msgspec.to_builtins(f) for name, f in args.timing_for},
         }
         args.json.write_text(json.dumps(result, indent=1))
     return 0

@@ -7,9 +7,10 @@ more: the gRPC door, the router, the replica actor, the token channel back, and 
 those share with the engines; and an agent's turn reaches an engine that sat idle through the tool call.
 This script starts the topology's engines as two pdserve clusters in turn (bench/live/systems.py) and times
 requests at the client, each after an idle pause:
-- `aggregated` (one decode engine, no prefill pool): a decode step, B cached prompts generating K+1 tokens
-  (the client's time per output token, averaged over the batch); a prefill, N new prompt tokens after C of
-  the same session's cached ones, one output token (the client's time to first token less one step);
+- `aggregated` (one decode engine, no prefill pool; `--system aggregated2` for two): a decode step, B cached
+  prompts on each engine generating K+1 tokens (the client's time per output token, averaged over the
+  batch); a prefill, N new prompt tokens after C of the same session's cached ones, one output token (the
+  client's time to first token less one step);
 - `pd` (every request through the prefill engine and a NIXL pull): the time to first token of N new tokens,
   less the aggregated fit's prefill and step: what the prefill hop and the pull add;
 - `aggregated2` (two decode engines, one a core, so nothing is left for the serving layer but the engines'
@@ -72,9 +73,10 @@ QUICK = Plan(
 class _Client:
     """Fresh prompts, each sent to the cluster as a session of its own."""
 
-    def __init__(self, target: Target, max_model_len: int) -> None:
+    def __init__(self, target: Target, max_model_len: int, engines: int = 1) -> None:
         self.target = target
         self.room = max_model_len - 2
+        self.engines = engines  # decode replicas: the router spreads a batch's requests over them
         self._rng = random.Random(0)
         self._ids = itertools.count()
 
@@ -122,7 +124,9 @@ async def measure_aggregated(client: _Client, plan: Plan, say: Callable[[str], N
     decode = []
     for batch, context in itertools.product(plan.decode_batch, plan.decode_context):
         if context + plan.decode_steps <= client.room:
-            s = await _median(plan.repeats, partial(_step_s, client, batch, context, plan.decode_steps))
+            # `batch` sequences on each decode engine.
+            total = batch * client.engines
+            s = await _median(plan.repeats, partial(_step_s, client, total, context, plan.decode_steps))
             decode.append({"batch": batch, "context": batch * (context + plan.decode_steps / 2), "s": s})
             say(f"decode step, {batch:3d} sequences of {context:5d} tokens: {s * 1e3:8.2f} ms")
     ttft = []
@@ -234,6 +238,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--topology", type=Path, default=REPO / "deploy" / "local.yaml")
     ap.add_argument("--out", type=Path, default=Path("served-timing.json"))
     ap.add_argument("--quick", action="store_true", help="a few points, once each (a smoke test)")
+    ap.add_argument(
+        "--system",
+        choices=("aggregated", "aggregated2"),
+        default="aggregated",
+        help="where the prefill and the decode step are timed: the topology the replay is for (aggregated2: "
+        "two decode engines, one a core, nothing left to the serving layer but the engines' cores)",
+    )
     args = ap.parse_args(argv)
     plan = QUICK if args.quick else PLAN
     say = lambda line: print(line, flush=True)  # noqa: E731
@@ -242,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
         target = open_target(address)
         try:
             served = await target.served()
-            return await part(_Client(target, served.max_model_len), plan, say)  # type: ignore[misc]
+            engines = sum(r["role"] == "decode" for r in served.replicas)
+            return await part(_Client(target, served.max_model_len, engines), plan, say)  # type: ignore[misc]
         finally:
             await target.aclose()
 
@@ -252,15 +264,21 @@ def main(argv: list[str] | None = None) -> int:
         return measure_contention(client, streams, plan.repeats, say)
 
     streams = CONTENTION_STREAMS_QUICK if args.quick else CONTENTION_STREAMS
-    for system, part in (("aggregated", measure_aggregated), ("pd", measure_pd), ("aggregated2", contention)):
+    parts = ((args.system, measure_aggregated), ("pd", measure_pd), ("aggregated2:contention", contention))
+    for name, part in parts:
+        system = name.split(":")[0]
         say(f"starting {system} ...")
         try:
             with started(system, args.topology) as address:
-                measured[system] = asyncio.run(against(address, part))
+                measured[name] = asyncio.run(against(address, part))
         except (RuntimeError, TimeoutError) as exc:
             print(f"bench.served_timing: {system}: {exc}", file=sys.stderr)
             return 1
-    samples, fitted = fit_served(measured["aggregated"], measured["pd"], measured["aggregated2"])  # type: ignore[arg-type]
+    samples, fitted = fit_served(
+        measured[args.system],  # type: ignore[arg-type]
+        measured["pd"],  # type: ignore[arg-type]
+        measured["aggregated2:contention"],  # type: ignore[arg-type]
+    )
     what = {
         "topology": str(args.topology),
         "measured": "at the client, through pdserve (bench.served_timing)",

@@ -148,6 +148,41 @@ def test_a_live_report_is_replayed_system_by_system(
     )
 
 
+def test_a_system_can_be_replayed_with_its_own_timing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def write(path: Path, fit: MeasuredTiming) -> str:
+        path.write_text(json.dumps({"fit": msgspec.to_builtins(fit)}))
+        return str(path)
+
+    slow = msgspec.structs.replace(FIT, decode_step_s=0.03)
+    systems = ["aggregated2", "aggregated2:round_robin", "pd-auto"]
+    live = tmp_path / "live.json"
+    live.write_text(
+        json.dumps(
+            {
+                "systems": {
+                    s: {"model": {"max_model_len": 2048}, "results": [_live_result(0.02, 0.004, 0.8, 1.0)]}
+                    for s in systems
+                }
+            }
+        )
+    )
+    out = tmp_path / "cmp.json"
+    argv = ["--timing", write(tmp_path / "t.json", FIT), "--live", str(live), "--systems", ",".join(systems)]
+    argv += ["--timing-for", f"aggregated2={write(tmp_path / 'a2.json', slow)}", "--sessions", "4"]
+    assert main([*argv, "--max-turns", "4", "--json", str(out)]) == 0
+    assert "aggregated2: a measured engine: prefill 7.0 ms + 14.0 us a token, decode step 30.0 ms" in (
+        capsys.readouterr().out
+    )
+    replay = json.loads(out.read_text())["replay"]
+    # Both aggregated2 systems decode at 30 ms a step, pd-auto at its own 3 ms.
+    assert replay["aggregated2"]["tpot_p50"] > 0.03 and replay["aggregated2:round_robin"]["tpot_p50"] > 0.03
+    assert replay["pd-auto"]["tpot_p50"] < 0.01
+    with pytest.raises(SystemExit):
+        main([*argv[:6], "--timing-for", "aggregated2:round_robin=" + str(tmp_path / "a2.json")])
+
+
 def test_a_timing_file_that_is_not_a_fit_and_a_system_without_engines_are_named(tmp_path: Path) -> None:
     bad = tmp_path / "bad.json"
     bad.write_text("{}")

@@ -99,3 +99,23 @@ def test_contention_is_fitted_against_the_quiet_turn_as_one_plus_x_root_k() -> N
         0.0,
         0.0,
     )
+
+
+def test_on_two_decode_engines_a_decode_point_sends_its_batch_to_each() -> None:
+    from bench.engine_timing import Plan
+    from bench.served_timing import measure_aggregated
+
+    target = _Recorder()
+    client = _Client(target, max_model_len=2048, engines=2)  # type: ignore[arg-type]
+    plan = Plan(
+        prefill_new=(32,),
+        prefill_cached=(0,),
+        decode_batch=(3,),
+        decode_context=(64,),
+        decode_steps=8,
+        transfer_tokens=(64,),
+        repeats=1,
+    )
+    samples = asyncio.run(measure_aggregated(client, plan, lambda line: None))
+    assert samples["decode"] == [{"batch": 3, "context": 3 * (64 + 4), "s": pytest.approx(0.003)}]
+    assert sum(r.max_tokens == 9 for r in target.sent) == 6  # 3 on each engine
