@@ -127,7 +127,8 @@ async def measure_aggregated(client: _Client, plan: Plan, say: Callable[[str], N
             # `batch` sequences on each decode engine.
             total = batch * client.engines
             s = await _median(plan.repeats, partial(_step_s, client, total, context, plan.decode_steps))
-            decode.append({"batch": batch, "context": batch * (context + plan.decode_steps / 2), "s": s})
+            per_engine = {"batch": batch, "context": batch * (context + plan.decode_steps / 2), "s": s}
+            decode.append(per_engine | {"others": total - batch})
             say(f"decode step, {batch:3d} sequences of {context:5d} tokens: {s * 1e3:8.2f} ms")
     ttft = []
     for new, cached in itertools.product(plan.prefill_new, plan.prefill_cached):
@@ -207,28 +208,31 @@ def fit_served(
     aggregated: dict[str, list], pd: list[dict[str, float]], contention: list[dict[str, float]] | None = None
 ) -> tuple[dict[str, list], MeasuredTiming]:
     """The samples in engine_timing's shape and their fit: a prefill is the time to first token less one
-    step of its own sequence; a pull what the P/D path adds to that prefill and step."""
-    decode_only = fit({"prefill": [{"new": 1, "cached": 0, "s": 0.0}], "decode": aggregated["decode"],
+    step of its own sequence; a pull what the P/D path adds to that prefill and step. With `contention`,
+    a decode point timed beside other engines' sequences (`others`, on two engines) is taken at what it
+    would be alone: the replay charges the contention itself."""
+    x_prefill, x_decode = fit_contention(contention) if contention else (0.0, 0.0)
+    decode = [
+        {**d, "s": d["s"] / (1.0 + x_decode * math.sqrt(d.get("others", 0)))} for d in aggregated["decode"]
+    ]
+    decode_only = fit({"prefill": [{"new": 1, "cached": 0, "s": 0.0}], "decode": decode,
                        "transfer": [{"tokens": 1, "s": 0.0}]})  # fmt: skip
     steps = MeasuredEngine(fit=decode_only)
     prefill = [
         {"new": p["new"], "cached": p["cached"], "s": p["ttft"] - steps.tpot_s(1, p["new"] + p["cached"])}
         for p in aggregated["ttft"]
     ]
-    prefill_only = fit(
-        {"prefill": prefill, "decode": aggregated["decode"], "transfer": [{"tokens": 1, "s": 0.0}]}
-    )
+    prefill_only = fit({"prefill": prefill, "decode": decode, "transfer": [{"tokens": 1, "s": 0.0}]})
     engine = MeasuredEngine(fit=prefill_only)
     transfer = []
     for p in pd:
         tokens = int(p["tokens"])
         hop = p["ttft"] - engine.prefill_s(tokens, 0) - engine.tpot_s(1, tokens)
         transfer.append({"tokens": tokens, "s": max(0.0, hop)})
-    samples = {"prefill": prefill, "decode": aggregated["decode"], "transfer": transfer}
+    samples: dict[str, list] = {"prefill": prefill, "decode": decode, "transfer": transfer}
     fitted = fit(samples)
     if contention:
         samples["contention"] = contention
-        x_prefill, x_decode = fit_contention(contention)
         fitted = msgspec.structs.replace(fitted, prefill_contention=x_prefill, decode_contention=x_decode)
     return samples, fitted
 

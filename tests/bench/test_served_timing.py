@@ -117,5 +117,36 @@ def test_on_two_decode_engines_a_decode_point_sends_its_batch_to_each() -> None:
         repeats=1,
     )
     samples = asyncio.run(measure_aggregated(client, plan, lambda line: None))
-    assert samples["decode"] == [{"batch": 3, "context": 3 * (64 + 4), "s": pytest.approx(0.003)}]
+    assert samples["decode"] == [
+        {"batch": 3, "context": 3 * (64 + 4), "s": pytest.approx(0.003), "others": 3}
+    ]
     assert sum(r.max_tokens == 9 for r in target.sent) == 6  # 3 on each engine
+
+
+def test_a_decode_point_timed_beside_another_engines_batch_is_fitted_at_what_it_would_be_alone() -> None:
+    quiet = MeasuredEngine(
+        fit=MeasuredTiming(
+            prefill_fixed_s=0.008,
+            prefill_token_s=20e-6,
+            prefill_pair_s=0.0,
+            decode_step_s=0.003,
+            decode_seq_s=0.0005,
+            decode_context_token_s=0.0,
+            transfer_fixed_s=0.02,
+            transfer_token_s=0.0,
+        )
+    )
+    contention = [{"others": 0, "ttft": 0.01, "tpot": 0.003}, {"others": 4, "ttft": 0.01, "tpot": 0.006}]
+    x = fit_contention(contention)[1]  # 0.5: twice as slow beside four others
+    decode = [
+        {"batch": b, "context": b * c, "s": quiet.tpot_s(b, b * c) * (1 + x * b**0.5), "others": b}
+        for b in (1, 4, 16)
+        for c in (100, 500)
+    ]
+    ttft = [
+        {"new": n, "cached": 0, "ttft": quiet.prefill_s(n, 0) + quiet.tpot_s(1, n)} for n in (32, 256, 1024)
+    ]
+    pd = [{"tokens": t, "ttft": quiet.prefill_s(t, 0) + 0.02 + quiet.tpot_s(1, t)} for t in (64, 256)]
+    _, fitted = fit_served({"decode": decode, "ttft": ttft}, pd, contention)
+    assert fitted.decode_step_s == pytest.approx(0.003) and fitted.decode_seq_s == pytest.approx(0.0005)
+    assert fitted.decode_contention == pytest.approx(0.5)
