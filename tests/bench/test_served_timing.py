@@ -55,17 +55,21 @@ def test_a_decode_probe_caches_its_prompts_then_times_k_more_tokens_each() -> No
     assert [r.token_ids for r in target.sent[:3]] == [r.token_ids for r in target.sent[3:]]
 
 
+# The coefficients the fits below must recover.
+TRUTH = MeasuredTiming(
+    prefill_fixed_s=0.008,
+    prefill_token_s=20e-6,
+    prefill_pair_s=0.0,
+    decode_step_s=0.003,
+    decode_seq_s=0.0005,
+    decode_context_token_s=0.0,
+    transfer_fixed_s=0.020,
+    transfer_token_s=1e-6,
+)
+
+
 def test_the_fit_takes_a_step_from_each_time_to_first_token_and_the_prefill_from_each_pd_one() -> None:
-    truth = MeasuredTiming(
-        prefill_fixed_s=0.008,
-        prefill_token_s=20e-6,
-        prefill_pair_s=0.0,
-        decode_step_s=0.003,
-        decode_seq_s=0.0005,
-        decode_context_token_s=0.0,
-        transfer_fixed_s=0.020,
-        transfer_token_s=1e-6,
-    )
+    truth = TRUTH
     engine = MeasuredEngine(fit=truth)
     decode = [
         {"batch": b, "context": b * (c + 16), "s": engine.tpot_s(b, b * (c + 16))}
@@ -124,18 +128,7 @@ def test_on_two_decode_engines_a_decode_point_sends_its_batch_to_each() -> None:
 
 
 def test_a_decode_point_timed_beside_another_engines_batch_is_fitted_at_what_it_would_be_alone() -> None:
-    quiet = MeasuredEngine(
-        fit=MeasuredTiming(
-            prefill_fixed_s=0.008,
-            prefill_token_s=20e-6,
-            prefill_pair_s=0.0,
-            decode_step_s=0.003,
-            decode_seq_s=0.0005,
-            decode_context_token_s=0.0,
-            transfer_fixed_s=0.02,
-            transfer_token_s=0.0,
-        )
-    )
+    quiet = MeasuredEngine(fit=TRUTH)
     contention = [{"others": 0, "ttft": 0.01, "tpot": 0.003}, {"others": 4, "ttft": 0.01, "tpot": 0.006}]
     x = fit_contention(contention)[1]  # 0.5: twice as slow beside four others
     decode = [
@@ -146,7 +139,10 @@ def test_a_decode_point_timed_beside_another_engines_batch_is_fitted_at_what_it_
     ttft = [
         {"new": n, "cached": 0, "ttft": quiet.prefill_s(n, 0) + quiet.tpot_s(1, n)} for n in (32, 256, 1024)
     ]
-    pd = [{"tokens": t, "ttft": quiet.prefill_s(t, 0) + 0.02 + quiet.tpot_s(1, t)} for t in (64, 256)]
+    pd = [
+        {"tokens": t, "ttft": quiet.prefill_s(t, 0) + quiet.transfer_s(t) + quiet.tpot_s(1, t)}
+        for t in (64, 256)
+    ]
     _, fitted = fit_served({"decode": decode, "ttft": ttft}, pd, contention)
     assert fitted.decode_step_s == pytest.approx(0.003) and fitted.decode_seq_s == pytest.approx(0.0005)
     assert fitted.decode_contention == pytest.approx(0.5)
