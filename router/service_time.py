@@ -138,7 +138,41 @@ class ServiceTime(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         )
 
 
-class ServiceTimeModel(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class _ChunkedPrefill(msgspec.Struct, frozen=True, kw_only=True):
+    """What both service-time models share: a prefill on a decode replica, chunked between its steps."""
+
+    chunk_tokens: PositiveInt = 8192  # ServiceTime.decode_chunk_tokens
+
+    def prefill_s(self, new_tokens: int, cached_tokens: int) -> float:
+        raise NotImplementedError
+
+    def tpot_s(self, batch: int, context_tokens: int) -> float:
+        raise NotImplementedError
+
+    def mixed_prefill(
+        self,
+        new_tokens: int,
+        cached_tokens: int,
+        batch: int,
+        context_tokens: int,
+        *,
+        prefill_s: float | None = None,
+        tpot_s: float | None = None,
+    ) -> tuple[int, float]:
+        """(steps, seconds per step) of a prefill on a decode replica running `batch` sequences of
+        `context_tokens`: vLLM's chunked prefill fills each step's token budget (`chunk_tokens`, less one
+        token per running sequence) with prompt tokens, so the prompt takes ceil(new / chunk) steps, each
+        about the larger of the decode step and its share of the prefill (both bound by the same GPUs, a
+        mixed step is as slow as its slower part). Every running sequence makes one token per step.
+        `prefill_s`, `tpot_s`: the prefill's and the batch's decode step's seconds, when already known."""
+        prefill = self.prefill_s(new_tokens, cached_tokens) if prefill_s is None else prefill_s
+        tpot = self.tpot_s(batch, context_tokens) if tpot_s is None else tpot_s
+        chunk = max(1, self.chunk_tokens - batch)
+        steps = max(1, -(-new_tokens // chunk))
+        return steps, max(tpot, prefill / steps)
+
+
+class ServiceTimeModel(_ChunkedPrefill, frozen=True, kw_only=True, forbid_unknown_fields=True):
     shape: ModelShape = msgspec.field(default_factory=ModelShape)
     rates: GpuRates = msgspec.field(default_factory=GpuRates.measured)
     gpus_per_replica: PositiveInt = 8
@@ -150,7 +184,6 @@ class ServiceTimeModel(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     link_bytes_per_s: Positive = 400e9
     same_node_link_bytes_per_s: Positive = 3.6e12
     transfer_setup_s: NonNegative = 0.002
-    chunk_tokens: PositiveInt = 8192  # ServiceTime.decode_chunk_tokens
 
     def prefill_s(self, new_tokens: int, cached_tokens: int) -> float:
         """Seconds to compute `new_tokens` prompt tokens after `cached_tokens` taken from the prefix cache."""
@@ -176,26 +209,6 @@ class ServiceTimeModel(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
         kv = context_tokens * m.kv_bytes_per_token / (r.kv_stream_bytes_per_s * self.gpus_per_replica)
         return self.decode_step_overhead_s + weights + kv
 
-    def mixed_prefill(
-        self,
-        new_tokens: int,
-        cached_tokens: int,
-        batch: int,
-        context_tokens: int,
-        *,
-        prefill_s: float | None = None,
-        tpot_s: float | None = None,
-    ) -> tuple[int, float]:
-        """(steps, seconds per step) of a prefill on a decode replica running `batch` sequences of
-        `context_tokens`: vLLM's chunked prefill fills each step's token budget (`chunk_tokens`, less one
-        token per running sequence) with prompt tokens, so the prompt takes ceil(new / chunk) steps, each
-        about the larger of the decode step and its share of the prefill (both bound by the same GPUs, a
-        mixed step is as slow as its slower part). Every running sequence makes one token per step.
-        `prefill_s`, `tpot_s`: the prefill's and the batch's decode step's seconds, when already known."""
-        prefill = self.prefill_s(new_tokens, cached_tokens) if prefill_s is None else prefill_s
-        tpot = self.tpot_s(batch, context_tokens) if tpot_s is None else tpot_s
-        return _mixed_steps(new_tokens, batch, self.chunk_tokens, prefill, tpot)
-
     def contention(self, others: int) -> tuple[float, float]:
         """(prefill, decode step) slowdown while `others` requests run on other replicas: none on GPUs."""
         return 1.0, 1.0
@@ -208,20 +221,11 @@ class ServiceTimeModel(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
         return self.transfer_setup_s + tokens * self.shape.kv_bytes_per_token / link
 
 
-def _mixed_steps(
-    new_tokens: int, batch: int, chunk_tokens: int, prefill: float, tpot: float
-) -> tuple[int, float]:
-    chunk = max(1, chunk_tokens - batch)
-    steps = max(1, -(-new_tokens // chunk))
-    return steps, max(tpot, prefill / steps)
-
-
-class MeasuredEngine(msgspec.Struct, frozen=True, kw_only=True):
+class MeasuredEngine(_ChunkedPrefill, frozen=True, kw_only=True):
     """The service-time model of a measured engine (`ServiceTime.measured`): the same questions as
     `ServiceTimeModel`'s, answered from the fit."""
 
     fit: MeasuredTiming
-    chunk_tokens: PositiveInt = 8192
 
     def prefill_s(self, new_tokens: int, cached_tokens: int) -> float:
         f = self.fit
@@ -235,21 +239,6 @@ class MeasuredEngine(msgspec.Struct, frozen=True, kw_only=True):
         if batch <= 0:
             return f.decode_step_s
         return f.decode_step_s + f.decode_seq_s * batch + f.decode_context_token_s * context_tokens
-
-    def mixed_prefill(
-        self,
-        new_tokens: int,
-        cached_tokens: int,
-        batch: int,
-        context_tokens: int,
-        *,
-        prefill_s: float | None = None,
-        tpot_s: float | None = None,
-    ) -> tuple[int, float]:
-        """As `ServiceTimeModel.mixed_prefill`."""
-        prefill = self.prefill_s(new_tokens, cached_tokens) if prefill_s is None else prefill_s
-        tpot = self.tpot_s(batch, context_tokens) if tpot_s is None else tpot_s
-        return _mixed_steps(new_tokens, batch, self.chunk_tokens, prefill, tpot)
 
     def contention(self, others: int) -> tuple[float, float]:
         """(prefill, decode step) slowdown while `others` requests run on other replicas
