@@ -53,6 +53,7 @@ def engine_spec(topo: Topology, role: str) -> EngineSpec:
         # replica actor, which Serve places in it). Left to itself vLLM would pick multiprocessing, which
         # sees no GPU in an actor that holds none, and refuses a world larger than one node's GPUs.
         args["distributed_executor_backend"] = "ray"
+    args.update(_quantization_args(topo, role))
     args.update(engine.extra)
     return EngineSpec(
         role="prefill" if role == "prefill" else "decode",
@@ -73,6 +74,21 @@ def engine_spec(topo: Topology, role: str) -> EngineSpec:
         hang_timeout_s=pool.hang_timeout_s,
         otlp_traces_endpoint=topo.server.otlp_traces_endpoint,
     )
+
+
+def _quantization_args(topo: Topology, role: str) -> dict[str, Any]:
+    """Weights, KV dtype and speculation: the same for both pools, but for the drafter, which decode runs and
+    prefill runs too only where it keeps KV of its own (its KV moves with the prompt's)."""
+    model = topo.model
+    args: dict[str, Any] = {}
+    if model.quantization is not None:
+        args["quantization"] = model.quantization
+    if model.kv_cache_dtype != "auto":
+        args["kv_cache_dtype"] = model.kv_cache_dtype
+    spec = topo.pools.decode.speculative
+    if spec is not None and (role == "decode" or spec.drafter_kv):
+        args["speculative_config"] = spec.vllm_config()
+    return args
 
 
 def _threads_binds(bind: str | list[str]) -> list[str]:

@@ -64,6 +64,12 @@ class Model(_Config, frozen=True, kw_only=True):
     # "double": engine/double.py, a TEST DOUBLE that streams deterministic tokens without vLLM (fast cluster
     # tests of scaling, rolling and failures); never for serving or for tests that claim real serving.
     engine: Literal["vllm", "double"] = "vllm"
+    # Weight quantization in vLLM's names (fp8, awq, gptq, compressed-tensors, ...); None: as the checkpoint
+    # says. Both pools load the same weights.
+    quantization: str | None = None
+    # The KV cache's dtype in vLLM's names ("auto": the model's dtype; fp8 stores a byte an element). One for
+    # both pools: decode reads the blocks prefill wrote, byte for byte.
+    kv_cache_dtype: str = "auto"
 
 
 class CpuEngine(_Config, frozen=True, kw_only=True):
@@ -74,6 +80,34 @@ class CpuEngine(_Config, frozen=True, kw_only=True):
     # that two engines never share a core they both spin on (~30x slower).
     threads_bind: str | list[str] = "auto"
     kv_cache_gib: PositiveInt = 1  # VLLM_CPU_KVCACHE_SPACE, whole GiB
+
+
+# vLLM's speculative methods whose drafter reads the target model's hidden states and keeps a KV cache of its
+# own (vLLM's `SpeculativeConfig.use_eagle()`): in P/D the prefill engine computes the prompt's drafter KV
+# too, so the prefill pool runs the same drafter (vLLM's NIXL handshake refuses a mismatch).
+DRAFTER_KV_METHODS = ("eagle", "eagle3", "mtp", "dflash", "dspark")
+
+
+class Speculative(_Config, frozen=True, kw_only=True):
+    """Speculative decoding on the decode pool, in vLLM's names (its `speculative_config`)."""
+
+    method: str  # ngram, eagle, eagle3, mtp, draft_model, ...
+    num_speculative_tokens: PositiveInt  # tokens proposed per step
+    model: str | None = None  # the drafter's checkpoint directory (eagle, eagle3, draft_model)
+
+    @property
+    def drafter_kv(self) -> bool:
+        """The drafter keeps KV of its own, which prefill must compute with the prompt's."""
+        return self.method in DRAFTER_KV_METHODS
+
+    def vllm_config(self) -> dict[str, Any]:
+        config: dict[str, Any] = {
+            "method": self.method,
+            "num_speculative_tokens": self.num_speculative_tokens,
+        }
+        if self.model is not None:
+            config["model"] = self.model
+        return config
 
 
 class EngineArgs(_Config, frozen=True, kw_only=True):
@@ -109,6 +143,8 @@ class Pool(_Config, frozen=True, kw_only=True):
     node_labels: dict[str, str] = {}  # Ray label selector: the replica's bundles go only to such nodes
     cpu: CpuEngine | None = None  # CPU engines only; default CpuEngine()
     engine: EngineArgs = msgspec.field(default_factory=EngineArgs)
+    # Decode only: the prefill engine computes the prompt and one token, so has nothing to speculate on.
+    speculative: Speculative | None = None
     # Serve calls in flight per replica (KV export and release). Legs do not pass Serve: the router's policy
     # spreads them by load, and `router.overload_queue_tokens` bounds what the cluster admits.
     max_ongoing_requests: PositiveInt = 64

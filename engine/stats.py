@@ -25,6 +25,10 @@ class EngineCounters:
     nixl_transfers: int = 0
     nixl_transfer_seconds: float = 0.0
     requests_finished: int = 0
+    # Speculative decoding (vLLM's SpecDecodingStats): steps that verified a draft, tokens drafted, accepted.
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
     # When the engine last reported a step (monotonic clock): how a hung engine is told from a busy one.
     last_step_at: float = field(default_factory=time.monotonic)
 
@@ -41,6 +45,10 @@ class EngineCounters:
                 self.nixl_transfer_seconds += _sum_key(
                     scheduler_stats.kv_connector_stats, "transfer_duration"
                 )[0]
+            if (spec := scheduler_stats.spec_decoding_stats) is not None:
+                self.spec_drafts += spec.num_drafts
+                self.spec_draft_tokens += spec.num_draft_tokens
+                self.spec_accepted_tokens += spec.num_accepted_tokens
         if iteration_stats is not None:
             tokens = iteration_stats.prompt_token_stats
             self.prompt_tokens_computed += tokens.computed

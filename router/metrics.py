@@ -244,6 +244,10 @@ _ENGINE_COUNTERS = (
         "nixl_transfer_seconds",
     ),
     ("pdserve_engine_requests_finished", "Requests the engine finished.", "requests_finished"),
+    # Acceptance rate: accepted / draft tokens; accepted tokens per step: 1 + accepted / drafts.
+    ("pdserve_engine_spec_drafts", "Engine steps that verified a speculative draft.", "spec_drafts"),
+    ("pdserve_engine_spec_draft_tokens", "Tokens the speculator proposed.", "spec_draft_tokens"),
+    ("pdserve_engine_spec_accepted_tokens", "Proposed tokens the engine accepted.", "spec_accepted_tokens"),
 )
 # (metric name, help, GpuSample field) per GPU, from NVML (nothing on machines without NVIDIA GPUs).
 _GPU_GAUGES = (

@@ -354,4 +354,7 @@ def _replica_status(info: ReplicaInfo, *, routed: bool = True, failed: bool = Fa
         replica.prompt_tokens_external_kv = s.prompt_tokens_external_kv
         replica.nixl_bytes_transferred = s.nixl_bytes_transferred
         replica.requests_finished = s.requests_finished
+        replica.spec_drafts = s.spec_drafts
+        replica.spec_draft_tokens = s.spec_draft_tokens
+        replica.spec_accepted_tokens = s.spec_accepted_tokens
     return replica

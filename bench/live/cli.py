@@ -31,6 +31,7 @@ import json
 import os
 import platform
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -45,10 +46,11 @@ from bench.live.report import DEFAULT_SLO, RunResult, ratios, summarize, table
 from bench.live.runner import Send, Timed, closed_loop, open_loop, session_loop
 from bench.live.sessions import plan_sessions
 from bench.live.systems import DEFAULT_SYSTEMS, POLICIES, REPO, SYSTEMS, known, started
-from bench.live.targets import Served, TargetError, open_target
+from bench.live.targets import EngineCounts, Served, Target, TargetError, open_target
 from bench.live.workload import Lengths, Request, Workload
 from bench.replay.traces import DEFAULT_TRACES_DIR
 from bench.slo import Slo
+from engine.replica import HEARTBEAT_S
 
 LOCAL_TOPOLOGY = REPO / "deploy" / "local.yaml"
 MODES = ("min-latency", "max-throughput", "rate", "sweep", "concurrency", "sessions")
@@ -229,19 +231,43 @@ async def measure(args: argparse.Namespace, address: str) -> tuple[Served, str, 
         results = []
         for label, count, run in runs:
             progress = Progress(label, count)
+            before = await target.engine_counts()
             timed, seconds, offered = await run(target.send, progress)
             progress.close()
-            r = summarize(label, offered, timed, seconds, args.slo)
+            speculation = await _speculation(target, before, sum(t.ok for t in timed))
+            r = summarize(label, offered, timed, seconds, args.slo, speculation)
             results.append(r)
             print(
                 f"  {label}: {r.throughput_rps:.2f} req/s, TTFT p99 {1e3 * r.ttft_s['p99']:.0f} ms, "
                 f"goodput {r.goodput_rps:.2f} req/s ({r.goodput_share:.0%})"
-                + (f", failed {r.failed}" if r.failed else ""),
+                + (f", failed {r.failed}" if r.failed else "")
+                + (
+                    f", {r.spec_acceptance:.0%} of drafts accepted, {r.spec_tokens_per_step:.2f} tokens/step"
+                    if r.spec_acceptance is not None and r.spec_tokens_per_step is not None
+                    else ""
+                ),
                 flush=True,
             )
         return served, described, results
     finally:
         await target.aclose()
+
+
+async def _speculation(
+    target: Target, before: EngineCounts | None, finished: int
+) -> tuple[float, float] | None:
+    """The run's speculative decoding, from the decode engines' counters before and after it: they reach the
+    cluster's status with each replica's heartbeat, so wait (two heartbeats at most) for the run's requests
+    to be counted."""
+    if before is None:
+        return None
+    deadline = time.monotonic() + 2.5 * HEARTBEAT_S
+    while True:
+        after = await target.engine_counts()
+        if after is None or after.finished >= before.finished + finished or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(HEARTBEAT_S / 4)
+    return None if after is None else after.speculation_since(before)
 
 
 # async (send, progress) -> (timed requests, seconds, offered rate or None)

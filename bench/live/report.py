@@ -33,13 +33,22 @@ class RunResult:
     paths: dict[str, float]  # serving path -> share of requests
     # Every finished request's ttft_s / tpot_s / e2e_s (for CDFs; plots can be redrawn from the JSON).
     samples_s: dict[str, list[float]]
+    # Speculative decoding on the decode engines (None without): the share of drafted tokens accepted, and
+    # the tokens each engine step made (1 + accepted per draft).
+    spec_acceptance: float | None = None
+    spec_tokens_per_step: float | None = None
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
 
 
 def summarize(
-    label: str, offered: float | None, timed: Sequence[Timed], duration_s: float, slo: Slo
+    label: str,
+    offered: float | None,
+    timed: Sequence[Timed],
+    duration_s: float,
+    slo: Slo,
+    speculation: tuple[float, float] | None = None,
 ) -> RunResult:
     ok = [t for t in timed if t.ok]
     failed = Counter(t.status for t in timed if not t.ok)
@@ -72,6 +81,8 @@ def summarize(
         cached_share=sum(t.cached_tokens for t in ok) / prompt if prompt else 0.0,
         paths={p: n / len(ok) for p, n in paths.most_common()} if ok else {},
         samples_s=samples,
+        spec_acceptance=None if speculation is None else speculation[0],
+        spec_tokens_per_step=None if speculation is None else speculation[1],
     )
 
 
@@ -79,7 +90,8 @@ def table(results: Sequence[RunResult]) -> str:
     """Side by side, one row per run; latencies in milliseconds."""
     head = (
         f"{'run':<26} {'req/s':>6} {'tok/s':>7} {'ttft p50/p95/p99 ms':>21} {'tpot p50/p99':>13} "
-        f"{'itl p50/p99':>12} {'e2e p50/p99 ms':>15} {'good/s':>6} {'good':>5} {'cached':>6} {'fail':>4}"
+        f"{'itl p50/p99':>12} {'e2e p50/p99 ms':>15} {'good/s':>6} {'good':>5} {'cached':>6} {'fail':>4} "
+        f"{'accept/step':>11}"
     )
     lines = [head]
     for r in results:
@@ -91,9 +103,17 @@ def table(results: Sequence[RunResult]) -> str:
             f"{r.label:<26} {r.throughput_rps:>6.2f} {r.output_tokens_per_s:>7.0f} "
             f"{ms(r.ttft_s, 'p50', 'p95', 'p99'):>21} {ms(r.tpot_s, 'p50', 'p99'):>13} "
             f"{ms(r.itl_s, 'p50', 'p99'):>12} {ms(r.e2e_s, 'p50', 'p99'):>15} {r.goodput_rps:>6.2f} "
-            f"{r.goodput_share:>5.2f} {r.cached_share:>6.2f} {sum(r.failed.values()):>4}"
+            f"{r.goodput_share:>5.2f} {r.cached_share:>6.2f} {sum(r.failed.values()):>4} "
+            f"{_speculation(r):>11}"
         )
     return "\n".join(lines)
+
+
+def _speculation(r: RunResult) -> str:
+    """Acceptance rate / tokens a step; "-" without speculation."""
+    if r.spec_acceptance is None or r.spec_tokens_per_step is None:
+        return "-"
+    return f"{r.spec_acceptance:.2f}/{r.spec_tokens_per_step:.2f}"
 
 
 # (column, RunResult field, percentile or None): what the ratio table compares.

@@ -32,10 +32,32 @@ class Served:
     replicas: tuple[dict[str, str], ...] = ()
 
 
+@dataclass(frozen=True)
+class EngineCounts:
+    """The decode engines' cumulative counters, summed over replicas, as the cluster last reported them."""
+
+    finished: int  # requests the decode engines finished
+    spec_drafts: int
+    spec_draft_tokens: int
+    spec_accepted_tokens: int
+
+    def speculation_since(self, before: EngineCounts) -> tuple[float, float] | None:
+        """(acceptance rate, tokens an engine step) of the steps since `before`; None: nothing drafted."""
+        drafts = self.spec_drafts - before.spec_drafts
+        drafted = self.spec_draft_tokens - before.spec_draft_tokens
+        if drafts <= 0 or drafted <= 0:
+            return None
+        accepted = self.spec_accepted_tokens - before.spec_accepted_tokens
+        return accepted / drafted, 1.0 + accepted / drafts
+
+
 class Target(Protocol):
     address: str
 
     async def served(self) -> Served: ...
+
+    # None where the target reports no engine counters (an OpenAI server).
+    async def engine_counts(self) -> EngineCounts | None: ...
 
     async def send(self, req: Request, timeout_s: float) -> Timed: ...
 
@@ -97,6 +119,20 @@ class GrpcTarget:
             t.status = exc.code.name
         return t
 
+    async def engine_counts(self) -> EngineCounts | None:
+        try:
+            replicas = [r for r in await self._client.cluster_status(timeout=30) if r.role == "decode"]
+        except PdserveError as exc:
+            raise TargetError(f"{self.address}: {exc.code.name}: {exc.message}") from None
+        if not replicas:
+            return None  # a server that reports no engines
+        return EngineCounts(
+            finished=sum(r.requests_finished for r in replicas),
+            spec_drafts=sum(r.spec_drafts for r in replicas),
+            spec_draft_tokens=sum(r.spec_draft_tokens for r in replicas),
+            spec_accepted_tokens=sum(r.spec_accepted_tokens for r in replicas),
+        )
+
     async def aclose(self) -> None:
         await self._client.close()
 
@@ -132,6 +168,9 @@ class HttpTarget:
             raise TargetError(f"{self.address}/v1/models: the model card has no max_model_len (vLLM's field)")
         self._model = card["id"]
         return Served(model=card["id"], max_model_len=int(card["max_model_len"]))
+
+    async def engine_counts(self) -> EngineCounts | None:
+        return None
 
     async def send(self, req: Request, timeout_s: float) -> Timed:
         body = {

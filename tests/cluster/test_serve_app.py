@@ -54,3 +54,37 @@ def test_trust_remote_code_reaches_the_engines_only_when_the_topology_says_so() 
         engine_spec(h200, role).engine_args["trust_remote_code"] is True for role in ("prefill", "decode")
     )
     assert "trust_remote_code" not in engine_spec(load_topology(LOCAL), "decode").engine_args
+
+
+def test_kv_dtype_and_weight_quantization_reach_both_pools_alike() -> None:
+    topo = parse_topology("model: {kv_cache_dtype: fp8, quantization: fp8}")
+    for role in ("prefill", "decode"):
+        args = engine_spec(topo, role).engine_args
+        assert (args["kv_cache_dtype"], args["quantization"]) == ("fp8", "fp8")
+    defaults = engine_spec(parse_topology(""), "decode").engine_args
+    assert "kv_cache_dtype" not in defaults and "quantization" not in defaults  # vLLM's own
+
+
+def test_ngram_speculation_runs_on_decode_only() -> None:
+    topo = parse_topology("pools: {decode: {speculative: {method: ngram, num_speculative_tokens: 4}}}")
+    assert engine_spec(topo, "decode").engine_args["speculative_config"] == {
+        "method": "ngram",
+        "num_speculative_tokens": 4,
+    }
+    assert "speculative_config" not in engine_spec(topo, "prefill").engine_args
+
+
+def test_a_drafter_with_kv_of_its_own_runs_on_prefill_too() -> None:
+    """MTP and EAGLE keep drafter KV for the prompt: prefill computes it with the prompt's, and vLLM's NIXL
+    handshake requires both sides to run the same drafter."""
+    h200 = LOCAL.with_name("h200-kimi-k2.yaml").read_text()
+    topo = parse_topology(
+        h200.replace(
+            "  decode:\n", "  decode:\n    speculative: {method: mtp, num_speculative_tokens: 3}\n", 1
+        )
+    )
+    expected = {"method": "mtp", "num_speculative_tokens": 3}
+    assert [engine_spec(topo, role).engine_args["speculative_config"] for role in ("prefill", "decode")] == [
+        expected,
+        expected,
+    ]

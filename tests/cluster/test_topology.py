@@ -428,3 +428,80 @@ def test_impossible_batch_limits_are_refused_by_vllms_own_scheduler_check() -> N
         parse_topology("pools: {decode: {engine: {max_num_seqs: 100000, max_num_batched_tokens: 8}}}")
     assert info.value.path == "pools.decode.engine.max_num_batched_tokens"
     assert "must be greater than or equal to max_num_seqs (100000)" in info.value.reason
+
+
+def gpu_topology(model: str = "", decode: str = "") -> str:
+    """H200_POOLS with extra model keys and decode pool keys (YAML flow entries)."""
+    text = H200_POOLS.replace(
+        "model: {block_size: 64, dtype: bfloat16", f"model: {{block_size: 64, dtype: bfloat16{model}"
+    )
+    return text.replace("    node_labels: {role: decode}\n", f"    node_labels: {{role: decode}}\n{decode}")
+
+
+def test_kv_dtype_quantization_and_speculation_take_vllms_names_on_gpus() -> None:
+    topo = parse_topology(
+        gpu_topology(
+            ", kv_cache_dtype: fp8_e4m3, quantization: compressed-tensors",
+            "    speculative: {method: eagle3, num_speculative_tokens: 3, model: /models/drafter}\n",
+        )
+    )
+    assert topo.model.kv_cache_dtype == "fp8_e4m3" and topo.model.quantization == "compressed-tensors"
+    assert topo.pools.decode.speculative is not None and topo.pools.decode.speculative.drafter_kv
+
+
+@pytest.mark.parametrize(
+    ("model", "decode", "path", "reason"),
+    [
+        (
+            ", kv_cache_dtype: fp9",
+            "",
+            "model.kv_cache_dtype",
+            "unknown KV cache dtype 'fp9'; did you mean 'fp8'?",
+        ),
+        (
+            ", quantization: fp7",
+            "",
+            "model.quantization",
+            "unknown quantization method 'fp7'; did you mean 'fp8'?",
+        ),
+        (
+            "",
+            "    speculative: {method: eagel, num_speculative_tokens: 3, model: /m}\n",
+            "pools.decode.speculative.method",
+            "unknown speculative method 'eagel'; did you mean 'eagle'?",
+        ),
+        (
+            "",
+            "    speculative: {method: eagle3, num_speculative_tokens: 3}\n",
+            "pools.decode.speculative.model",
+            "method 'eagle3' drafts with a model: give its directory",
+        ),
+        (
+            "",
+            "    speculative: {method: ngram, num_speculative_tokens: 3, model: /m}\n",
+            "pools.decode.speculative.model",
+            "method 'ngram' takes no drafter model",
+        ),
+        (
+            "",
+            "    speculative: {method: ngram, num_speculative_tokens: 0}\n",
+            "pools.decode.speculative.num_speculative_tokens",
+            "Expected `int` >= 1",
+        ),
+    ],
+)
+def test_speculation_and_kv_dtype_vllm_would_refuse_are_refused_by_field(
+    model: str, decode: str, path: str, reason: str
+) -> None:
+    with pytest.raises(TopologyError) as info:
+        parse_topology(gpu_topology(model, decode))
+    assert (info.value.path, info.value.reason) == (path, reason)
+
+
+def test_cpu_engines_take_the_one_byte_kv_dtypes_and_ngram() -> None:
+    topo = parse_topology(
+        "model: {kv_cache_dtype: fp8}\n"
+        "pools: {decode: {speculative: {method: ngram, num_speculative_tokens: 4}}}"
+    )
+    spec = topo.pools.decode.speculative
+    assert topo.model.kv_cache_dtype == "fp8" and spec is not None and not spec.drafter_kv

@@ -3,6 +3,7 @@ Ray, real Serve, real vLLM engines on CPU, real NIXL), torn down with `pdserve d
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -39,6 +40,17 @@ def make_topology(tmp_path: Path, **overrides: object) -> Path:
     path = tmp_path / "topology.yaml"
     path.write_text(yaml.safe_dump(topo))
     return path
+
+
+def kv_bytes_per_token(element_bytes: int) -> int:
+    """What one token's KV takes in the built-in model at `element_bytes` an element: K and V, per layer and
+    KV head."""
+    from engine.tiny_model import ensure_tiny_model
+
+    config = json.loads((ensure_tiny_model() / "config.json").read_text())
+    return (
+        2 * config["num_hidden_layers"] * config["num_key_value_heads"] * config["head_dim"] * element_bytes
+    )
 
 
 class RunningCluster:

@@ -1,6 +1,7 @@
 """The baseline for output equivalence: the same model served by ONE plain vLLM engine (no KV connector,
-no disaggregation, no Ray), greedy. Run as a subprocess: JSON list of {prompt_token_ids, max_tokens} on
-stdin, JSON list of generated token id lists on stdout."""
+no disaggregation, no Ray, no speculation), greedy. Run as a subprocess: JSON list of {prompt_token_ids,
+max_tokens} on stdin, JSON list of generated token id lists on stdout. `--kv-cache-dtype D`: the engine's KV
+cache dtype (default: the model's)."""
 
 import json
 import os
@@ -16,6 +17,8 @@ def main() -> None:
     from engine.tiny_model import ensure_tiny_model
 
     requests = json.load(sys.stdin)
+    args = sys.argv[1:]
+    kv_cache_dtype = args[args.index("--kv-cache-dtype") + 1] if "--kv-cache-dtype" in args else "auto"
     llm = LLM(
         model=str(ensure_tiny_model()),
         dtype="float32",
@@ -23,6 +26,7 @@ def main() -> None:
         max_model_len=2048,
         block_size=32,
         enable_prefix_caching=False,
+        kv_cache_dtype=kv_cache_dtype,
     )
     outputs = []
     for r in requests:  # one at a time: the same batch shape as the cluster's sequential requests

@@ -14,6 +14,7 @@ from typing import Any
 import grpc
 import jsonschema
 import pytest
+from e2e_support import kv_bytes_per_token
 
 from engine.tiny_model import ensure_tiny_model
 from pdserve_client.api import pdserve_pb2 as pb
@@ -141,7 +142,9 @@ def test_decode_engine_pulls_the_prompt_kv_instead_of_recomputing_it(client: Pds
     # Every prompt token reached the decode engine as external KV; it computed none of them.
     assert after.prompt_tokens_external_kv - before.prompt_tokens_external_kv == len(prompt)
     assert after.prompt_tokens_computed == before.prompt_tokens_computed
-    assert after.nixl_bytes_transferred > before.nixl_bytes_transferred
+    # The model's dtype (float32) moves 4 bytes a KV element (test_speculation_and_kv_dtype.py: fp8, 1).
+    moved = after.nixl_bytes_transferred - before.nixl_bytes_transferred
+    assert moved / len(prompt) == kv_bytes_per_token(element_bytes=4)
 
 
 def test_a_long_generation_streams_in_several_messages(client: PdserveClient) -> None:

@@ -30,6 +30,9 @@ def info(replica: str, role: str, *, gpus: int = 0) -> ReplicaInfo:
         nixl_transfers=4,
         nixl_transfer_seconds=0.02,
         requests_finished=7,
+        spec_drafts=20,
+        spec_draft_tokens=80,
+        spec_accepted_tokens=30,
         gpus=[
             GpuSample(
                 index=i,
@@ -83,6 +86,9 @@ def test_every_engine_replicas_statistics_are_exported_with_replica_role_and_mod
     assert (labels, float(1 << 20)) in got["pdserve_engine_kv_transfer_bytes_total"]
     assert (labels, 0.02) in got["pdserve_engine_kv_transfer_seconds_total"]
     assert (labels, 600.0) in got["pdserve_engine_prompt_tokens_external_kv_total"]
+    assert (labels, 20.0) in got["pdserve_engine_spec_drafts_total"]
+    assert (labels, 80.0) in got["pdserve_engine_spec_draft_tokens_total"]
+    assert (labels, 30.0) in got["pdserve_engine_spec_accepted_tokens_total"]
     assert "pdserve_gpu_power_watts" not in got  # no GPUs: no GPU series, and no error
 
 
