@@ -12,14 +12,17 @@
     pdserve bench --side-by-side aggregated@REV,aggregated  before (git revision REV) against after
     pdserve bench --side-by-side aggregated2,aggregated2:round_robin --mode sessions
                                                            pdserve's routing against a cache-blind one
+    pdserve bench --side-by-side pd-ngram,pd                ngram speculative decoding against none
+    pdserve bench --side-by-side pd-fp8,pd                  an fp8 KV cache against the model's dtype
 
 Workload: `--input-len` / `--output-len` (fixed:N, normal:MEAN,STD, lognormal:MEAN,SIGMA), shared prefixes
 (`--prefix-groups G --prefix-len L`). Warm-up requests (`--warmup`) are sent first and not counted. Reports
 TTFT, TPOT, inter-token latency and end-to-end latency at P50/P95/P99, throughput, goodput under `--slo`,
-the share of prompt tokens served from caches and of serving paths; `--json FILE` keeps everything, with the
-endpoint's model and replicas, the versions and the machine; `--plots DIR` draws latency and goodput against
-the rate, and latency CDFs. `--target` is a pdserve gRPC endpoint (host:port) or any OpenAI-compatible server
-(http://host:port: pdserve's HTTP door, `vllm serve`).
+the share of prompt tokens served from caches and of serving paths, and from a pdserve cluster's decode
+engines the speculative acceptance (accepted / drafted tokens, tokens a step) and the KV bytes NIXL moved per
+token; `--json FILE` keeps everything, with the endpoint's model and replicas, the versions and the machine;
+`--plots DIR` draws latency and goodput against the rate, and latency CDFs. `--target` is a pdserve gRPC
+endpoint (host:port) or any OpenAI-compatible server (http://host:port: pdserve's HTTP door, `vllm serve`).
 """
 
 from __future__ import annotations
@@ -234,8 +237,8 @@ async def measure(args: argparse.Namespace, address: str) -> tuple[Served, str, 
             before = await target.engine_counts()
             timed, seconds, offered = await run(target.send, progress)
             progress.close()
-            speculation = await _speculation(target, before, sum(t.ok for t in timed))
-            r = summarize(label, offered, timed, seconds, args.slo, speculation)
+            after = await _counted(target, before, sum(t.ok for t in timed))
+            r = summarize(label, offered, timed, seconds, args.slo, engines=(before, after))
             results.append(r)
             print(
                 f"  {label}: {r.throughput_rps:.2f} req/s, TTFT p99 {1e3 * r.ttft_s['p99']:.0f} ms, "
@@ -253,21 +256,17 @@ async def measure(args: argparse.Namespace, address: str) -> tuple[Served, str, 
         await target.aclose()
 
 
-async def _speculation(
-    target: Target, before: EngineCounts | None, finished: int
-) -> tuple[float, float] | None:
-    """The run's speculative decoding, from the decode engines' counters before and after it: they reach the
-    cluster's status with each replica's heartbeat, so wait (two heartbeats at most) for the run's requests
-    to be counted."""
+async def _counted(target: Target, before: EngineCounts | None, finished: int) -> EngineCounts | None:
+    """The decode engines' counters once they count the run's `finished` requests: counters reach the
+    cluster's status with each replica's heartbeat, so wait for that (two heartbeats at most)."""
     if before is None:
         return None
     deadline = time.monotonic() + 2.5 * HEARTBEAT_S
     while True:
         after = await target.engine_counts()
         if after is None or after.finished >= before.finished + finished or time.monotonic() > deadline:
-            break
+            return after
         await asyncio.sleep(HEARTBEAT_S / 4)
-    return None if after is None else after.speculation_since(before)
 
 
 # async (send, progress) -> (timed requests, seconds, offered rate or None)

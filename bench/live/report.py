@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 from bench.live.runner import Timed
+from bench.live.targets import EngineCounts
 from bench.slo import Slo, percentile
 
 # Goodput's SLO when `--slo` does not say.
@@ -37,6 +38,8 @@ class RunResult:
     # the tokens each engine step made (1 + accepted per draft).
     spec_acceptance: float | None = None
     spec_tokens_per_step: float | None = None
+    # Bytes NIXL moved per prompt token whose KV it moved (None: no KV moved, or an OpenAI server).
+    kv_bytes_per_token: float | None = None
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -48,8 +51,9 @@ def summarize(
     timed: Sequence[Timed],
     duration_s: float,
     slo: Slo,
-    speculation: tuple[float, float] | None = None,
+    engines: tuple[EngineCounts | None, EngineCounts | None] = (None, None),
 ) -> RunResult:
+    """`engines`: the decode engines' counters before and after the run, where the target reports them."""
     ok = [t for t in timed if t.ok]
     failed = Counter(t.status for t in timed if not t.ok)
 
@@ -64,6 +68,8 @@ def summarize(
     good = [t for t in ok if (t.ttft or 0.0) <= slo.ttft_s and (t.tpot is None or t.tpot <= slo.tpot_s)]
     prompt = sum(t.prompt_tokens for t in ok)
     paths = Counter(t.path for t in ok)
+    before, after = engines
+    speculation = after.speculation_since(before) if before and after else None
     return RunResult(
         label=label,
         offered_rate=offered,
@@ -83,6 +89,7 @@ def summarize(
         samples_s=samples,
         spec_acceptance=None if speculation is None else speculation[0],
         spec_tokens_per_step=None if speculation is None else speculation[1],
+        kv_bytes_per_token=after.kv_bytes_per_token_since(before) if before and after else None,
     )
 
 
@@ -91,7 +98,7 @@ def table(results: Sequence[RunResult]) -> str:
     head = (
         f"{'run':<26} {'req/s':>6} {'tok/s':>7} {'ttft p50/p95/p99 ms':>21} {'tpot p50/p99':>13} "
         f"{'itl p50/p99':>12} {'e2e p50/p99 ms':>15} {'good/s':>6} {'good':>5} {'cached':>6} {'fail':>4} "
-        f"{'accept/step':>11}"
+        f"{'accept/step':>11} {'KV B/tok':>8}"
     )
     lines = [head]
     for r in results:
@@ -104,7 +111,7 @@ def table(results: Sequence[RunResult]) -> str:
             f"{ms(r.ttft_s, 'p50', 'p95', 'p99'):>21} {ms(r.tpot_s, 'p50', 'p99'):>13} "
             f"{ms(r.itl_s, 'p50', 'p99'):>12} {ms(r.e2e_s, 'p50', 'p99'):>15} {r.goodput_rps:>6.2f} "
             f"{r.goodput_share:>5.2f} {r.cached_share:>6.2f} {sum(r.failed.values()):>4} "
-            f"{_speculation(r):>11}"
+            f"{_speculation(r):>11} {_kv_bytes(r):>8}"
         )
     return "\n".join(lines)
 
@@ -114,6 +121,10 @@ def _speculation(r: RunResult) -> str:
     if r.spec_acceptance is None or r.spec_tokens_per_step is None:
         return "-"
     return f"{r.spec_acceptance:.2f}/{r.spec_tokens_per_step:.2f}"
+
+
+def _kv_bytes(r: RunResult) -> str:
+    return "-" if r.kv_bytes_per_token is None else f"{r.kv_bytes_per_token:.0f}"
 
 
 # (column, RunResult field, percentile or None): what the ratio table compares.

@@ -9,6 +9,8 @@
   layer's own limits, with no engine compute;
 - `aggregated2`: pdserve with two decode engines (one a core) and no prefill pool: where a session's turns
   go decides what they find cached;
+- `pd-ngram`: `pd` with ngram speculative decoding on the decode engine (4 tokens a draft), against `pd`;
+- `pd-fp8`: `pd` with an fp8 KV cache in both pools (a byte a KV element: NIXL moves a quarter of float32's);
 - `vllm`: a plain `vllm serve` (vLLM's OpenAI server) of the same model, with the engine arguments and the
   core binding pdserve's aggregated decode engine gets: the baseline without pdserve's router and Serve.
 
@@ -47,7 +49,7 @@ from router.config import RouterPolicy
 
 REPO = Path(__file__).resolve().parents[2]
 PDSERVE = str(Path(sys.executable).with_name("pdserve"))
-SYSTEMS = ("pd", "pd-auto", "aggregated", "aggregated2", "doubles", "vllm")
+SYSTEMS = ("pd", "pd-auto", "aggregated", "aggregated2", "pd-ngram", "pd-fp8", "doubles", "vllm")
 DEFAULT_SYSTEMS = ("pd", "aggregated", "vllm")  # `--side-by-side` alone
 POLICIES = typing.get_args(RouterPolicy)  # a pdserve system's `:POLICY`
 READY_TIMEOUT_S = 600.0
@@ -100,6 +102,11 @@ PDSERVE_SYSTEMS: dict[str, dict[str, Any]] = {
         "pools.decode.replicas": 2,
         "pools.decode.cpu.threads_bind": ["0", "1"],
     },
+    "pd-ngram": {
+        "router.mode": "disaggregate",
+        "pools.decode.speculative": {"method": "ngram", "num_speculative_tokens": 4},
+    },
+    "pd-fp8": {"router.mode": "disaggregate", "model.kv_cache_dtype": "fp8"},
     # The engine test double (20 ms a token, no vLLM): what the serving layer alone sustains, with engines
     # that never slow down. 1 prefill + 2 decode replicas.
     "doubles": {

@@ -40,6 +40,8 @@ class EngineCounts:
     spec_drafts: int
     spec_draft_tokens: int
     spec_accepted_tokens: int
+    kv_tokens_received: int = 0  # prompt tokens whose KV came over NIXL
+    kv_bytes_received: int = 0  # the bytes NIXL moved for them
 
     def speculation_since(self, before: EngineCounts) -> tuple[float, float] | None:
         """(acceptance rate, tokens an engine step) of the steps since `before`; None: nothing drafted."""
@@ -49,6 +51,11 @@ class EngineCounts:
             return None
         accepted = self.spec_accepted_tokens - before.spec_accepted_tokens
         return accepted / drafted, 1.0 + accepted / drafts
+
+    def kv_bytes_per_token_since(self, before: EngineCounts) -> float | None:
+        """Bytes NIXL moved per prompt token whose KV it moved since `before`; None: none moved."""
+        tokens = self.kv_tokens_received - before.kv_tokens_received
+        return (self.kv_bytes_received - before.kv_bytes_received) / tokens if tokens > 0 else None
 
 
 class Target(Protocol):
@@ -131,6 +138,8 @@ class GrpcTarget:
             spec_drafts=sum(r.spec_drafts for r in replicas),
             spec_draft_tokens=sum(r.spec_draft_tokens for r in replicas),
             spec_accepted_tokens=sum(r.spec_accepted_tokens for r in replicas),
+            kv_tokens_received=sum(r.prompt_tokens_external_kv for r in replicas),
+            kv_bytes_received=sum(r.nixl_bytes_transferred for r in replicas),
         )
 
     async def aclose(self) -> None:

@@ -274,11 +274,11 @@ def test_every_pdserve_system_is_a_valid_topology_and_a_policy_suffix_reaches_th
     assert blind.router.policy == "least_loaded"
 
 
-def test_speculation_is_read_from_the_decode_engines_counters_once_they_count_the_run(
+def test_speculation_and_kv_bytes_are_read_from_the_decode_engines_counters_once_they_count_the_run(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Counters reach the cluster's status with each replica's heartbeat: the run's acceptance is taken from
-    the first reading that counts all of the run's requests, not from a stale one."""
+    """Counters reach the cluster's status with each replica's heartbeat: the run's acceptance and KV bytes
+    are taken from the first reading that counts all of the run's requests, not from a stale one."""
     import asyncio
 
     from bench.live import cli
@@ -286,24 +286,31 @@ def test_speculation_is_read_from_the_decode_engines_counters_once_they_count_th
     from bench.live.targets import EngineCounts
 
     monkeypatch.setattr(cli, "HEARTBEAT_S", 0.04)
-    before = EngineCounts(finished=10, spec_drafts=100, spec_draft_tokens=400, spec_accepted_tokens=200)
-    stale = before
-    fresh = EngineCounts(finished=14, spec_drafts=120, spec_draft_tokens=480, spec_accepted_tokens=230)
+    before = EngineCounts(
+        finished=10, spec_drafts=100, spec_draft_tokens=400, spec_accepted_tokens=200,
+        kv_tokens_received=1000, kv_bytes_received=512_000,
+    )  # fmt: skip
+    fresh = EngineCounts(
+        finished=14, spec_drafts=120, spec_draft_tokens=480, spec_accepted_tokens=230,
+        kv_tokens_received=1256, kv_bytes_received=643_072,
+    )  # fmt: skip
 
     class Target:
         def __init__(self) -> None:
-            self.readings = [stale, stale, fresh]
+            self.readings = [before, before, fresh]  # two stale readings, then the run counted
 
         async def engine_counts(self) -> EngineCounts:
             return self.readings.pop(0) if len(self.readings) > 1 else self.readings[0]
 
-    speculation = asyncio.run(cli._speculation(Target(), before, finished=4))  # type: ignore[arg-type]
-    # 30 of 80 drafted tokens accepted over 20 drafts: 1 + 30/20 tokens a step.
-    assert speculation == (pytest.approx(30 / 80), pytest.approx(2.5))
-    assert fresh.speculation_since(fresh) is None  # nothing drafted: no speculation to report
-    assert asyncio.run(cli._speculation(Target(), None, finished=4)) is None  # type: ignore[arg-type]
-    r = summarize("x", None, [Timed(sent=0.0, end=1.0)], 1.0, Slo(ttft_s=1.0, tpot_s=0.1), (0.375, 2.5))
-    assert (r.spec_acceptance, r.spec_tokens_per_step) == (0.375, 2.5)
-    assert table([r]).splitlines()[1].endswith("0.38/2.50")
+    after = asyncio.run(cli._counted(Target(), before, finished=4))  # type: ignore[arg-type]
+    assert after == fresh
+    assert asyncio.run(cli._counted(Target(), None, finished=4)) is None  # type: ignore[arg-type]
+    r = summarize("x", None, [Timed(sent=0.0, end=1.0)], 1.0, Slo(ttft_s=1.0, tpot_s=0.1), (before, after))
+    # 30 of 80 drafted tokens accepted over 20 drafts: 1 + 30/20 tokens a step; 131072 bytes for 256 tokens.
+    assert (r.spec_acceptance, r.spec_tokens_per_step) == (pytest.approx(30 / 80), pytest.approx(2.5))
+    assert r.kv_bytes_per_token == pytest.approx(512.0)
+    assert table([r]).splitlines()[1].endswith("0.38/2.50      512")
+    # Nothing drafted, no KV moved, or no counters (an OpenAI server): "-".
+    assert fresh.speculation_since(fresh) is None and fresh.kv_bytes_per_token_since(fresh) is None
     plain = summarize("x", None, [Timed(sent=0.0, end=1.0)], 1.0, Slo(ttft_s=1.0, tpot_s=0.1))
-    assert table([plain]).splitlines()[1].endswith(" -")
+    assert table([plain]).splitlines()[1].endswith(" -        -")

@@ -143,4 +143,5 @@ def test_metrics_and_bench_report_the_acceptance(cluster: RunningCluster, tmp_pa
     assert not report["failed"]
     assert report["spec_tokens_per_step"] is not None and report["spec_tokens_per_step"] >= 1.0
     assert 0.0 <= report["spec_acceptance"] <= 1.0
+    assert report["kv_bytes_per_token"] == kv_bytes_per_token(element_bytes=1)
     assert "tokens/step" in run.stdout
