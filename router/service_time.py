@@ -41,7 +41,11 @@ class ModelShape(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     heads: PositiveInt = 128
     qk_head_dim: PositiveInt = 192
     v_head_dim: PositiveInt = 128
+    # Of the KV cache's dtype: halve it for an fp8 cache (engines' model.kv_cache_dtype).
     kv_bytes_per_token: Positive = 70e3  # MLA latent, bf16
+    # Whether tensor parallelism splits a token's KV between the GPUs (by KV head, as GQA's), or every GPU
+    # keeps all of it (MLA's one latent, as vLLM stores it): what a replica's KV capacity is.
+    kv_split_by_gpus: bool = False
 
 
 class GpuRates(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -69,6 +73,27 @@ class GpuRates(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             weight_stream_bytes_per_s=statistics.median(stream) * 1e9,
             kv_stream_bytes_per_s=kv * 1e9,
         )
+
+
+# Memory of one GPU of each hardware, and the share of it vLLM takes (its gpu_memory_utilization default).
+GPU_MEMORY_BYTES: dict[str, float] = {"h200": 141e9}
+ENGINE_MEMORY_SHARE = 0.9
+
+
+class Speculation(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Speculative decoding on the modelled decode replica: each step drafts `draft_tokens` tokens a sequence
+    and the target verifies them with the sequence's next token in one pass."""
+
+    draft_tokens: PositiveInt  # vLLM's num_speculative_tokens
+    # Accepted / drafted tokens, as the engines report it (pdserve_engine_spec_* metrics, `pdserve bench`).
+    acceptance_rate: Annotated[float, msgspec.Meta(ge=0, le=1)]
+    # A drafted token's cost as a share of a target step: an MTP or EAGLE head is about one layer.
+    draft_cost: NonNegative = 0.05
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens a sequence gains a step: the verified one and the accepted drafts."""
+        return 1.0 + self.acceptance_rate * self.draft_tokens
 
 
 class MeasuredTiming(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -105,6 +130,8 @@ class ServiceTime(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     # An engine measured on the machine it runs on (`python -m bench.engine_timing`): when set, its fitted
     # times replace those of hardware, gpus_per_replica and model.
     measured: MeasuredTiming | None = None
+    # Speculative decoding on the decode replicas (None: none); with either timing.
+    speculation: Speculation | None = None
 
     def describe(self) -> str:
         """What the service times are for, in a line (the replay's report)."""
@@ -121,20 +148,36 @@ class ServiceTime(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
                     if m.prefill_contention or m.decode_contention
                     else ""
                 )
+                + self._speculation_words()
             )
         return (
             f"{self.gpus_per_replica} {self.hardware} GPUs a replica, a model of "
-            f"{self.model.total_params / 1e9:.0f}B parameters ({self.model.active_params / 1e9:.0f}B active)"
+            f"{self.model.total_params / 1e9:.0f}B parameters ({self.model.active_params / 1e9:.0f}B"
+            f" active), {self.model.kv_bytes_per_token / 1e3:.0f} KB of KV a token"
+            + self._speculation_words()
+        )
+
+    def _speculation_words(self) -> str:
+        s = self.speculation
+        if s is None:
+            return ""
+        return (
+            f", speculation: {s.draft_tokens} drafts a step, {s.acceptance_rate:.0%} accepted"
+            f" ({s.tokens_per_step:.2f} tokens a step)"
         )
 
     def timing(self) -> ServiceTimeModel | MeasuredEngine:
         if self.measured is not None:
-            return MeasuredEngine(fit=self.measured, chunk_tokens=self.decode_chunk_tokens)
+            return MeasuredEngine(
+                fit=self.measured, chunk_tokens=self.decode_chunk_tokens, speculation=self.speculation
+            )
         return ServiceTimeModel(
             shape=self.model,
             rates=GpuRates.measured(self.hardware),
             gpus_per_replica=self.gpus_per_replica,
             chunk_tokens=self.decode_chunk_tokens,
+            speculation=self.speculation,
+            gpu_memory_bytes=GPU_MEMORY_BYTES[self.hardware],
         )
 
 
@@ -142,12 +185,28 @@ class _ChunkedPrefill(msgspec.Struct, frozen=True, kw_only=True):
     """What both service-time models share: a prefill on a decode replica, chunked between its steps."""
 
     chunk_tokens: PositiveInt = 8192  # ServiceTime.decode_chunk_tokens
+    speculation: Speculation | None = None  # ServiceTime.speculation
 
     def prefill_s(self, new_tokens: int, cached_tokens: int) -> float:
         raise NotImplementedError
 
-    def tpot_s(self, batch: int, context_tokens: int) -> float:
+    def step_s(self, batch: int, context_tokens: int, tokens_per_seq: int = 1) -> float:
+        """Seconds of one decode step of `batch` sequences holding `context_tokens` KV tokens, computing
+        `tokens_per_seq` tokens of each (more than one: verifying speculative drafts)."""
         raise NotImplementedError
+
+    def tpot_s(self, batch: int, context_tokens: int) -> float:
+        """Seconds per output token of each of `batch` sequences holding `context_tokens` KV tokens: a decode
+        step, or with speculation a step that drafts k tokens a sequence and verifies k + 1, over the tokens
+        it gains (1 + acceptance x k)."""
+        spec = self.speculation
+        if spec is None:
+            return self.step_s(batch, context_tokens)
+        k = spec.draft_tokens
+        step = self.step_s(batch, context_tokens, 1 + k) + k * spec.draft_cost * self.step_s(
+            batch, context_tokens
+        )
+        return step / spec.tokens_per_step
 
     def mixed_prefill(
         self,
@@ -184,6 +243,7 @@ class ServiceTimeModel(_ChunkedPrefill, frozen=True, kw_only=True, forbid_unknow
     link_bytes_per_s: Positive = 400e9
     same_node_link_bytes_per_s: Positive = 3.6e12
     transfer_setup_s: NonNegative = 0.002
+    gpu_memory_bytes: Positive = GPU_MEMORY_BYTES["h200"]
 
     def prefill_s(self, new_tokens: int, cached_tokens: int) -> float:
         """Seconds to compute `new_tokens` prompt tokens after `cached_tokens` taken from the prefix cache."""
@@ -197,17 +257,32 @@ class ServiceTimeModel(_ChunkedPrefill, frozen=True, kw_only=True, forbid_unknow
         attention = flops_per_pair * pairs / (r.attention_flops * scale)
         return self.prefill_overhead_s + linear + attention
 
-    def tpot_s(self, batch: int, context_tokens: int) -> float:
-        """Seconds per decode step of a batch of `batch` sequences holding `context_tokens` KV tokens."""
+    def step_s(self, batch: int, context_tokens: int, tokens_per_seq: int = 1) -> float:
+        """A decode step streams the weights its tokens' experts need and the batch's KV, unless computing its
+        tokens takes longer (a wide batch of speculative drafts)."""
         if batch <= 0:
             return self.decode_step_overhead_s
         m, r = self.shape, self.rates
-        untouched = (1.0 - m.experts_per_token / m.num_experts) ** batch
+        tokens = batch * tokens_per_seq
+        untouched = (1.0 - m.experts_per_token / m.num_experts) ** tokens
         expert_params = m.total_params - m.dense_params
         weight_bytes = (m.dense_params + expert_params * (1.0 - untouched)) * m.weight_bytes_per_param
         weights = weight_bytes / (r.weight_stream_bytes_per_s * self.gpus_per_replica)
         kv = context_tokens * m.kv_bytes_per_token / (r.kv_stream_bytes_per_s * self.gpus_per_replica)
-        return self.decode_step_overhead_s + weights + kv
+        compute = (
+            2.0 * m.active_params * tokens / (r.gemm_flops * self.gpus_per_replica * self.parallel_efficiency)
+        )
+        return self.decode_step_overhead_s + max(weights + kv, compute)
+
+    def kv_capacity_tokens(self) -> float:
+        """Tokens of KV one replica holds: its GPUs' memory share for the engine, less the weights, over a
+        token's KV on each GPU (all of it unless tensor parallelism splits it)."""
+        m = self.shape
+        per_gpu = ENGINE_MEMORY_SHARE * self.gpu_memory_bytes - m.total_params * m.weight_bytes_per_param / (
+            self.gpus_per_replica
+        )
+        token_per_gpu = m.kv_bytes_per_token / (self.gpus_per_replica if m.kv_split_by_gpus else 1)
+        return max(0.0, per_gpu) / token_per_gpu
 
     def contention(self, others: int) -> tuple[float, float]:
         """(prefill, decode step) slowdown while `others` requests run on other replicas: none on GPUs."""
@@ -234,11 +309,15 @@ class MeasuredEngine(_ChunkedPrefill, frozen=True, kw_only=True):
         pairs = new_tokens * cached_tokens + new_tokens * (new_tokens + 1) / 2
         return f.prefill_fixed_s + f.prefill_token_s * new_tokens + f.prefill_pair_s * pairs
 
-    def tpot_s(self, batch: int, context_tokens: int) -> float:
+    def step_s(self, batch: int, context_tokens: int, tokens_per_seq: int = 1) -> float:
         f = self.fit
         if batch <= 0:
             return f.decode_step_s
-        return f.decode_step_s + f.decode_seq_s * batch + f.decode_context_token_s * context_tokens
+        return (
+            f.decode_step_s
+            + f.decode_seq_s * batch * tokens_per_seq
+            + f.decode_context_token_s * context_tokens
+        )
 
     def contention(self, others: int) -> tuple[float, float]:
         """(prefill, decode step) slowdown while `others` requests run on other replicas

@@ -12,7 +12,8 @@
     pdserve bench --side-by-side aggregated@REV,aggregated  before (git revision REV) against after
     pdserve bench --side-by-side aggregated2,aggregated2:round_robin --mode sessions
                                                            pdserve's routing against a cache-blind one
-    pdserve bench --side-by-side pd-ngram,pd                ngram speculative decoding against none
+    pdserve bench --side-by-side pd-ngram,pd --temperature 0
+                                                           ngram speculative decoding against none
     pdserve bench --side-by-side pd-fp8,pd                  an fp8 KV cache against the model's dtype
 
 Workload: `--input-len` / `--output-len` (fixed:N, normal:MEAN,STD, lognormal:MEAN,SIGMA), shared prefixes
@@ -34,7 +35,6 @@ import json
 import os
 import platform
 import sys
-import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -49,11 +49,10 @@ from bench.live.report import DEFAULT_SLO, RunResult, ratios, summarize, table
 from bench.live.runner import Send, Timed, closed_loop, open_loop, session_loop
 from bench.live.sessions import plan_sessions
 from bench.live.systems import DEFAULT_SYSTEMS, POLICIES, REPO, SYSTEMS, known, started
-from bench.live.targets import EngineCounts, Served, Target, TargetError, open_target
+from bench.live.targets import Served, TargetError, counted, open_target
 from bench.live.workload import Lengths, Request, Workload
 from bench.replay.traces import DEFAULT_TRACES_DIR
 from bench.slo import Slo
-from engine.replica import HEARTBEAT_S
 
 LOCAL_TOPOLOGY = REPO / "deploy" / "local.yaml"
 MODES = ("min-latency", "max-throughput", "rate", "sweep", "concurrency", "sessions")
@@ -92,6 +91,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=_lengths, default=Lengths("fixed", 32))
     p.add_argument("--prefix-groups", type=_count0, default=0, help="groups sharing a prompt prefix")
     p.add_argument("--prefix-len", type=_count0, default=0, help="tokens of each group's shared prefix")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="every request's sampling temperature (default: the server's); 0: greedy, as speculative "
+        "decoding's acceptance of a random-weight model needs",
+    )
+    p.add_argument(
+        "--repeat-period",
+        type=_count0,
+        default=0,
+        help="each prompt repeats a random run of this many tokens (text that repeats itself, what ngram "
+        "speculation drafts from); 0: random throughout",
+    )
     p.add_argument(
         "--slo",
         type=_slo,
@@ -217,7 +230,7 @@ def _side_by_side(args: argparse.Namespace) -> int:
 async def measure(args: argparse.Namespace, address: str) -> tuple[Served, str, list[RunResult]]:
     """Warm-up, then the mode's runs against `address`, each with the same seeded requests on any target.
     (what it serves, the workload in words, one result per run)."""
-    target = open_target(address, token=args.token, tls=args.tls)
+    target = open_target(address, token=args.token, tls=args.tls, temperature=args.temperature)
     try:
         served = await target.served()
         workload = Workload(
@@ -225,6 +238,7 @@ async def measure(args: argparse.Namespace, address: str) -> tuple[Served, str, 
             output_len=args.output_len,
             prefix_groups=args.prefix_groups,
             prefix_len=args.prefix_len,
+            repeat_period=args.repeat_period,
             max_model_len=served.max_model_len,
         )
         runs, described = _runs(args, workload)
@@ -237,7 +251,7 @@ async def measure(args: argparse.Namespace, address: str) -> tuple[Served, str, 
             before = await target.engine_counts()
             timed, seconds, offered = await run(target.send, progress)
             progress.close()
-            after = await _counted(target, before, sum(t.ok for t in timed))
+            after = await counted(target, before, sum(t.ok for t in timed))
             r = summarize(label, offered, timed, seconds, args.slo, engines=(before, after))
             results.append(r)
             print(
@@ -254,19 +268,6 @@ async def measure(args: argparse.Namespace, address: str) -> tuple[Served, str, 
         return served, described, results
     finally:
         await target.aclose()
-
-
-async def _counted(target: Target, before: EngineCounts | None, finished: int) -> EngineCounts | None:
-    """The decode engines' counters once they count the run's `finished` requests: counters reach the
-    cluster's status with each replica's heartbeat, so wait for that (two heartbeats at most)."""
-    if before is None:
-        return None
-    deadline = time.monotonic() + 2.5 * HEARTBEAT_S
-    while True:
-        after = await target.engine_counts()
-        if after is None or after.finished >= before.finished + finished or time.monotonic() > deadline:
-            return after
-        await asyncio.sleep(HEARTBEAT_S / 4)
 
 
 # async (send, progress) -> (timed requests, seconds, offered rate or None)

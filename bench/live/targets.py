@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import dataclass
@@ -18,8 +19,9 @@ import aiohttp
 
 from bench.live.runner import Timed
 from bench.live.workload import Request
+from engine.replica import HEARTBEAT_S
 from pdserve_client.api import pdserve_pb2 as pb
-from pdserve_client.sdk import AsyncPdserveClient, PdserveError
+from pdserve_client.sdk import AsyncPdserveClient, GenerateFields, PdserveError
 
 
 @dataclass(frozen=True)
@@ -71,19 +73,38 @@ class Target(Protocol):
     async def aclose(self) -> None: ...
 
 
+async def counted(target: Target, before: EngineCounts | None, finished: int) -> EngineCounts | None:
+    """The decode engines' counters once they count a run's `finished` requests: counters reach the
+    cluster's status with each replica's heartbeat, so wait for that (two heartbeats at most)."""
+    if before is None:
+        return None
+    deadline = time.monotonic() + 2.5 * HEARTBEAT_S
+    while True:
+        after = await target.engine_counts()
+        if after is None or after.finished >= before.finished + finished or time.monotonic() > deadline:
+            return after
+        await asyncio.sleep(HEARTBEAT_S / 4)
+
+
 class TargetError(Exception):
     """The target could not be reached or answered nonsense (the message names the address)."""
 
 
-def open_target(address: str, *, token: str | None = None, tls: bool = False) -> Target:
+def open_target(
+    address: str, *, token: str | None = None, tls: bool = False, temperature: float | None = None
+) -> Target:
+    """`temperature`: every request's sampling temperature (None: the server's default)."""
     if address.startswith(("http://", "https://")):
-        return HttpTarget(address, token=token)
-    return GrpcTarget(address, token=token, tls=tls)
+        return HttpTarget(address, token=token, temperature=temperature)
+    return GrpcTarget(address, token=token, tls=tls, temperature=temperature)
 
 
 class GrpcTarget:
-    def __init__(self, address: str, *, token: str | None, tls: bool) -> None:
+    def __init__(
+        self, address: str, *, token: str | None, tls: bool, temperature: float | None = None
+    ) -> None:
         self.address = address
+        self._temperature = temperature
         # A benchmark counts a lost stream as failed, not as the SDK's continuation of it.
         self._client = AsyncPdserveClient(address, token=token, tls=tls, reconnect_s=0)
 
@@ -103,15 +124,17 @@ class GrpcTarget:
         )
 
     async def send(self, req: Request, timeout_s: float) -> Timed:
+        fields: GenerateFields = {
+            "token_ids": req.token_ids,
+            "max_tokens": req.max_tokens,
+            "ignore_eos": True,
+            "session_id": req.session_id,
+        }
+        if self._temperature is not None:
+            fields["temperature"] = self._temperature
         t = Timed(sent=time.monotonic())
         try:
-            async for msg in self._client.generate(
-                token_ids=req.token_ids,
-                max_tokens=req.max_tokens,
-                ignore_eos=True,
-                session_id=req.session_id,
-                timeout=timeout_s,
-            ):
+            async for msg in self._client.generate(timeout=timeout_s, **fields):
                 now = time.monotonic()
                 if msg.token_ids:
                     t.on_tokens(now, len(msg.token_ids))
@@ -147,8 +170,9 @@ class GrpcTarget:
 
 
 class HttpTarget:
-    def __init__(self, address: str, *, token: str | None) -> None:
+    def __init__(self, address: str, *, token: str | None, temperature: float | None = None) -> None:
         self.address = address.rstrip("/")
+        self._sampling = {} if temperature is None else {"temperature": temperature}
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._session: aiohttp.ClientSession | None = None
         self._model = ""
@@ -190,6 +214,7 @@ class HttpTarget:
             "stream": True,
             "stream_options": {"include_usage": True},
             "return_token_ids": True,
+            **self._sampling,
         }
         t = Timed(sent=time.monotonic())
         try:

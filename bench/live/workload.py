@@ -4,7 +4,9 @@ Prompts are token ids (sent as `token_ids`, so the benchmark needs no tokenizer 
 not tokenization), drawn from a range of ordinary tokens that even the built-in model's 2048-entry vocabulary
 has (past the special and byte tokens at the start). Requests in the same prefix group start with the
 same `prefix_len` ids, as agent sessions or shared system prompts do, so the prefix cache and the router's
-prefix routing are exercised.
+prefix routing are exercised. With `repeat_period`, each prompt's own tokens are one random run of that many
+ids, repeated: text that repeats itself, as a tool result quoting code the context already holds does, and
+what ngram speculative decoding drafts from.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ class Workload:
     prefix_groups: int = 0  # 0: no shared prefixes
     prefix_len: int = 0  # tokens every request of a group starts with
     max_model_len: int = 2048
+    repeat_period: int = 0  # 0: every prompt token drawn afresh
 
     def requests(self, n: int, seed: int) -> list[Request]:
         """`n` requests; prompts and outputs fit the model's context."""
@@ -81,7 +84,9 @@ class Workload:
             max_tokens = min(self.output_len.draw(rng), self.max_model_len - 2)
             room = self.max_model_len - max_tokens - len(head)
             own = max(1, min(self.input_len.draw(rng), room))
-            ids = head + [rng.randint(*TOKEN_RANGE) for _ in range(own)]
+            period = self.repeat_period or own
+            run = [rng.randint(*TOKEN_RANGE) for _ in range(min(period, own))]
+            ids = head + [run[i % len(run)] for i in range(own)]
             out.append(Request(token_ids=ids, max_tokens=max_tokens, group=group))
         return out
 
@@ -89,4 +94,5 @@ class Workload:
         shared = (
             f", {self.prefix_groups} prefix groups of {self.prefix_len} tokens" if self.prefix_groups else ""
         )
-        return f"input {self.input_len}, output {self.output_len}{shared}"
+        repeated = f", prompts repeating every {self.repeat_period} tokens" if self.repeat_period else ""
+        return f"input {self.input_len}, output {self.output_len}{shared}{repeated}"

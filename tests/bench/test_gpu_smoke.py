@@ -40,3 +40,15 @@ def test_without_a_gpu_it_says_what_it_needs_and_exits_2() -> None:
     )
     assert run.returncode == 2
     assert "needs an NVIDIA GPU (found none" in run.stderr
+
+
+def test_its_second_run_has_an_fp8_kv_cache_in_both_pools_and_speculation_on_decode_only() -> None:
+    topo = parse_topology(topology(50051, 9400, 8265, 2, reduced=True))
+    prefill, decode = (engine_spec(topo, role).engine_args for role in ("prefill", "decode"))
+    assert prefill["kv_cache_dtype"] == decode["kv_cache_dtype"] == "fp8"
+    assert decode["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 4}
+    assert "speculative_config" not in prefill
+    assert (
+        "kv_cache_dtype"
+        not in engine_spec(parse_topology(topology(50051, 9400, 8265, 2)), "decode").engine_args
+    )

@@ -26,6 +26,7 @@ from bench.live.report import ratio_rows, summarize
 from bench.live.runner import Timed
 from bench.live.workload import Lengths, Workload
 from bench.slo import Slo, percentile
+from engine.messages import EngineRequest
 
 PDSERVE = str(Path(sys.executable).with_name("pdserve"))
 
@@ -51,6 +52,19 @@ def test_shared_prefix_groups_start_with_the_same_tokens_and_requests_fit_the_co
         assert len(r.token_ids) + r.max_tokens <= 2048
     assert sorted(by_group) == [0, 1] and all(len(p) == 1 for p in by_group.values())
     assert w.requests(20, seed=1) == reqs  # seeded: the same workload every run
+
+
+def test_a_repeat_period_makes_each_prompt_repeat_one_random_run_after_its_prefix() -> None:
+    plain = Workload(Lengths("fixed", 100), Lengths("fixed", 8), prefix_groups=1, prefix_len=20)
+    repeating = Workload(
+        Lengths("fixed", 100), Lengths("fixed", 8), prefix_groups=1, prefix_len=20, repeat_period=32
+    )
+    for r in repeating.requests(5, seed=3):
+        own = r.token_ids[20:]
+        assert len(own) == 100 and own == (own[:32] * 4)[:100] and len(set(own[:32])) > 1
+    # Without it the same seed draws the same prompts as ever (runs stay comparable across revisions).
+    assert [len(set(r.token_ids[20:])) > 50 for r in plain.requests(5, seed=3)] == [True] * 5
+    assert "repeating every 32 tokens" in repeating.describe()
 
 
 def test_arrival_processes_keep_their_rate_and_gamma_is_burstier() -> None:
@@ -104,6 +118,18 @@ def test_each_mode_runs_against_a_live_endpoint_and_writes_its_json(mode: str, t
         assert [r["offered_rate"] for r in runs] == [5, 10, 20, 40]
     assert report["model"]["id"] == "tiny-llama" and report["machine"]["cpus"]
     assert "ttft p50/p95/p99 ms" in run.stdout  # the table
+
+
+def test_a_temperature_reaches_every_request_and_by_default_the_server_decides() -> None:
+    for flag, expected in ((["--temperature", "0"], 0.0), ([], 1.0)):  # 1.0: the server's default
+        seen: list[EngineRequest] = []
+        with endpoint(output=["a", "b"], seen=seen) as target:
+            run = subprocess.run(
+                [PDSERVE, "bench", "--target", target, "--mode", "min-latency", "--num-requests", "3", *flag],
+                capture_output=True, text=True, timeout=300,
+            )  # fmt: skip
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert len(seen) == 5 and {r.sampling.temperature for r in seen} == {expected}  # 2 warm-ups + 3
 
 
 def test_an_unreachable_endpoint_is_one_line_and_exit_2() -> None:
@@ -281,11 +307,11 @@ def test_speculation_and_kv_bytes_are_read_from_the_decode_engines_counters_once
     are taken from the first reading that counts all of the run's requests, not from a stale one."""
     import asyncio
 
-    from bench.live import cli
+    from bench.live import targets
     from bench.live.report import table
     from bench.live.targets import EngineCounts
 
-    monkeypatch.setattr(cli, "HEARTBEAT_S", 0.04)
+    monkeypatch.setattr(targets, "HEARTBEAT_S", 0.04)
     before = EngineCounts(
         finished=10, spec_drafts=100, spec_draft_tokens=400, spec_accepted_tokens=200,
         kv_tokens_received=1000, kv_bytes_received=512_000,
@@ -302,9 +328,9 @@ def test_speculation_and_kv_bytes_are_read_from_the_decode_engines_counters_once
         async def engine_counts(self) -> EngineCounts:
             return self.readings.pop(0) if len(self.readings) > 1 else self.readings[0]
 
-    after = asyncio.run(cli._counted(Target(), before, finished=4))  # type: ignore[arg-type]
+    after = asyncio.run(targets.counted(Target(), before, finished=4))  # type: ignore[arg-type]
     assert after == fresh
-    assert asyncio.run(cli._counted(Target(), None, finished=4)) is None  # type: ignore[arg-type]
+    assert asyncio.run(targets.counted(Target(), None, finished=4)) is None  # type: ignore[arg-type]
     r = summarize("x", None, [Timed(sent=0.0, end=1.0)], 1.0, Slo(ttft_s=1.0, tpot_s=0.1), (before, after))
     # 30 of 80 drafted tokens accepted over 20 drafts: 1 + 30/20 tokens a step; 131072 bytes for 256 tokens.
     assert (r.spec_acceptance, r.spec_tokens_per_step) == (pytest.approx(30 / 80), pytest.approx(2.5))

@@ -75,16 +75,11 @@ def test_ngram_speculation_runs_on_decode_only() -> None:
 
 
 def test_a_drafter_with_kv_of_its_own_runs_on_prefill_too() -> None:
-    """MTP and EAGLE keep drafter KV for the prompt: prefill computes it with the prompt's, and vLLM's NIXL
-    handshake requires both sides to run the same drafter."""
-    h200 = LOCAL.with_name("h200-kimi-k2.yaml").read_text()
-    topo = parse_topology(
-        h200.replace(
-            "  decode:\n", "  decode:\n    speculative: {method: mtp, num_speculative_tokens: 3}\n", 1
-        )
-    )
-    expected = {"method": "mtp", "num_speculative_tokens": 3}
-    assert [engine_spec(topo, role).engine_args["speculative_config"] for role in ("prefill", "decode")] == [
-        expected,
-        expected,
-    ]
+    """EAGLE and MTP keep drafter KV for the prompt: prefill computes it with the prompt's, and vLLM's NIXL
+    handshake requires both sides to run the same drafter (the H200 example: EAGLE-3, an fp8 KV cache)."""
+    h200 = load_topology(LOCAL.with_name("h200-kimi-k2.yaml"))
+    expected = {"method": "eagle3", "num_speculative_tokens": 3, "model": "/models/Kimi-K2-Thinking-eagle3"}
+    for role in ("prefill", "decode"):
+        args = engine_spec(h200, role).engine_args
+        assert args["speculative_config"] == expected and args["kv_cache_dtype"] == "fp8"
+        assert args["quantization"] == "compressed-tensors"
