@@ -272,7 +272,8 @@ class ServiceTimeModel(_ChunkedPrefill, frozen=True, kw_only=True, forbid_unknow
         compute = (
             2.0 * m.active_params * tokens / (r.gemm_flops * self.gpus_per_replica * self.parallel_efficiency)
         )
-        return self.decode_step_overhead_s + max(weights + kv, compute)
+        # The overhead added first in both: the memory-bound sum stays what it was, to the bit.
+        return max(self.decode_step_overhead_s + weights + kv, self.decode_step_overhead_s + compute)
 
     def kv_capacity_tokens(self) -> float:
         """Tokens of KV one replica holds: its GPUs' memory share for the engine, less the weights, over a
