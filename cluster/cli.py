@@ -9,6 +9,7 @@ pdserve status [--json]                replicas: role, state, node, GPUs, placem
 pdserve validate -f FILE               check a topology file
 pdserve export -f FILE                 the Serve config (or a KubeRay RayService) a topology compiles to
 pdserve replay ...                     replay real traces through the routing policies (virtual time)
+pdserve plan ...                       the cheapest P/D topology that meets SLOs on a trace, by the replay
 pdserve bench ...                      load-test a running endpoint: latency percentiles, goodput, sweeps
 """
 
