@@ -42,6 +42,29 @@ def make_topology(tmp_path: Path, **overrides: object) -> Path:
     return path
 
 
+def reference_outputs(requests: list[dict[str, object]], kv_cache_dtype: str = "auto") -> list[list[int]]:
+    """Greedy outputs of one plain vLLM engine (tests/e2e/reference_engine.py) for `requests`
+    ({prompt_token_ids, max_tokens[, ignore_eos]}); run it before a cluster starts (2 cores: a third engine
+    would contend)."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "tests" / "e2e" / "reference_engine.py"),
+            "--kv-cache-dtype",
+            kv_cache_dtype,
+        ],
+        input=json.dumps(requests),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("REFERENCE_OUTPUT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    outputs: list[list[int]] = json.loads(lines[0].removeprefix("REFERENCE_OUTPUT "))
+    return outputs
+
+
 def kv_bytes_per_token(element_bytes: int) -> int:
     """What one token's KV takes in the built-in model at `element_bytes` an element: K and V, per layer and
     KV head."""

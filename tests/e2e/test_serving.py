@@ -14,7 +14,7 @@ from typing import Any
 import grpc
 import jsonschema
 import pytest
-from e2e_support import kv_bytes_per_token
+from e2e_support import kv_bytes_per_token, reference_outputs
 
 from engine.tiny_model import ensure_tiny_model
 from pdserve_client.api import pdserve_pb2 as pb
@@ -73,17 +73,7 @@ def reference(tokenizer: PromptTokenizer, chat_ids: list[int]) -> list[list[int]
     engines would contend)."""
     requests = [{"prompt_token_ids": tokenizer.encode_text(t), "max_tokens": MAX_TOKENS} for t in TEXTS]
     requests.append({"prompt_token_ids": chat_ids, "max_tokens": MAX_TOKENS})
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "tests" / "e2e" / "reference_engine.py")],
-        input=json.dumps(requests),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=REPO,
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("REFERENCE_OUTPUT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    return json.loads(lines[0].removeprefix("REFERENCE_OUTPUT "))
+    return reference_outputs(requests)
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,6 @@ asserted apart: the decode engine reports accepted drafts, and NIXL moves a byte
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -18,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e_support import RunningCluster, cluster_up, kv_bytes_per_token, make_topology
+from e2e_support import RunningCluster, cluster_up, kv_bytes_per_token, make_topology, reference_outputs
 
 from engine.tiny_model import ensure_tiny_model
 from pdserve_client.api import pdserve_pb2 as pb
@@ -27,7 +25,6 @@ from router.intake.tokenizer import PromptTokenizer
 
 pytestmark = pytest.mark.e2e
 
-REPO = Path(__file__).resolve().parents[2]
 BLOCK = 32
 KV_DTYPE = "fp8"
 # Repetitive prompts: ngram speculation drafts from the text seen so far, so these get drafts to verify.
@@ -48,17 +45,7 @@ def prompts() -> list[list[int]]:
 def reference(prompts: list[list[int]]) -> list[list[int]]:
     """One plain engine's greedy outputs with the same KV dtype, no speculation (run before the cluster)."""
     requests = [{"prompt_token_ids": p, "max_tokens": MAX_TOKENS, "ignore_eos": True} for p in prompts]
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "tests" / "e2e" / "reference_engine.py"), "--kv-cache-dtype", KV_DTYPE],
-        input=json.dumps(requests),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=REPO,
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("REFERENCE_OUTPUT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    return json.loads(lines[0].removeprefix("REFERENCE_OUTPUT "))
+    return reference_outputs(requests, kv_cache_dtype=KV_DTYPE)
 
 
 @pytest.fixture(scope="module")
