@@ -141,25 +141,25 @@ def plan_actions(old: Topology, new: Topology, *, serve_router: bool = False) ->
             actions.append(DeploymentAction(name, "unchanged" if same else "update in place", detail))
             continue
         heavy = [k for k in ("ray_actor_options", *_placement_keys(a, b)) if a.get(k) != b.get(k)]
-        scale = a["num_replicas"] != b["num_replicas"]
+        size_a, size_b = _size(a), _size(b)
+        scale = size_a != size_b
         # Serve's rollout percentages are derived from the replica count: a scale changes them too.
         derived = _ROLLOUT_KEYS if scale else set()
         light = sorted(
             k
             for k in a.keys() | b.keys()
-            if k not in heavy and k != "num_replicas" and k not in derived and a.get(k) != b.get(k)
+            if k not in heavy and k not in _SIZE_KEYS and k not in derived and a.get(k) != b.get(k)
         )
         parts = []
-        if scale:
-            verb = "start" if b["num_replicas"] > a["num_replicas"] else "drain and stop"
-            n = abs(b["num_replicas"] - a["num_replicas"])
-            parts.append(f"scale {a['num_replicas']} -> {b['num_replicas']} replicas ({verb} {n})")
+        if scale and isinstance(size_a, int) and isinstance(size_b, int):
+            verb = "start" if size_b > size_a else "drain and stop"
+            parts.append(f"scale {size_a} -> {size_b} replicas ({verb} {abs(size_b - size_a)})")
+        elif scale:
+            parts.append(f"scale: {size_a} -> {size_b}")
         if heavy:
             surge = b.get("max_surge_percent", 0) > 0
             how = "a replacement starts before each old replica drains" if surge else "each drains first"
-            parts.append(
-                f"roll {b['num_replicas']} replicas one at a time ({how}; changed: {', '.join(heavy)})"
-            )
+            parts.append(f"roll {size_b} replicas one at a time ({how}; changed: {', '.join(heavy)})")
         if light:
             parts.append(f"update in place: {', '.join(light)}")
         kind = "roll" if heavy else "scale" if scale else "update in place" if light else "unchanged"
@@ -244,7 +244,12 @@ async def _wait_running(
 ) -> float:
     """Until every pool has its new number of RUNNING replicas (rolled pools: all started after the
     deploy) and Serve says the application is RUNNING; ApplyError with the reasons after `timeout_s`."""
-    wanted = {role: pool.replicas for role, pool in topo.pools.items() if pool.replicas > 0}
+    # An autoscaled pool: whatever count Serve's policy targets now (None).
+    wanted = {
+        role: None if pool.autoscaling is not None else pool.replicas
+        for role, pool in topo.pools.items()
+        if pool.replicas > 0
+    }
     deadline = started + timeout_s
     unmet = "no status yet"
     while time.monotonic() < deadline:
@@ -263,7 +268,7 @@ async def _wait_running(
     )
 
 
-def _unmet(app: dict[str, Any], wanted: dict[str, int], rolled: set[str]) -> str:
+def _unmet(app: dict[str, Any], wanted: dict[str, int | None], rolled: set[str]) -> str:
     if app.get("status") != "RUNNING":
         return f"application status {app.get('status')}: {app.get('message') or 'deploying'}"
     deployed_at = float(app.get("last_deployed_time_s") or 0.0)
@@ -272,6 +277,7 @@ def _unmet(app: dict[str, Any], wanted: dict[str, int], rolled: set[str]) -> str
         dep = deployments.get(name) or {}
         replicas = dep.get("replicas") or []
         running = [r for r in replicas if r.get("state") == "RUNNING"]
+        count = dep.get("target_num_replicas") if count is None else count
         if dep.get("target_num_replicas") != count or len(running) != count:
             return f"deployment {name}: {len(running)}/{count} replicas RUNNING ({dep.get('status')})"
         if name in rolled and any(float(r.get("start_time_s") or 0.0) < deployed_at for r in running):
@@ -303,6 +309,24 @@ def _replica_states(details: dict[str, Any], app_name: str) -> dict[str, str]:
         if name != REGISTRY
         for r in dep.get("replicas") or []
     }
+
+
+_SIZE_KEYS = ("num_replicas", "autoscaling_config")
+
+
+def _size(deployment: dict[str, Any]) -> int | str:
+    """A deployment's replica count, or its autoscaled range and targets."""
+    auto = deployment.get("autoscaling_config")
+    if auto is None:
+        return int(deployment["num_replicas"])
+    targets = auto["policy"]["policy_kwargs"]
+    own = ("queue_s",) if targets["role"] == "prefill" else ("kv_usage", "running_seqs", "tpot_s")
+    shown = "".join(f", {k} {targets[k]:g}" for k in own if targets[k] is not None)
+    bounds = f"{auto['min_replicas']}..{auto['max_replicas']}"
+    return (
+        f"autoscaled {bounds} replicas (warm {targets['warm_replicas']}, window"
+        f" {auto['look_back_period_s']:g} s, scale-down delay {auto['downscale_delay_s']:g} s{shown})"
+    )
 
 
 def _deployments(topo: Topology, serve_router: bool) -> dict[str, dict[str, Any]]:

@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 from ray.serve.handle import DeploymentHandle
 
-from engine.messages import ClusterState, ReplicaInfo, RouterReport
+from engine.messages import ClusterState, DispatchedLoad, ReplicaInfo, RouterReport, add_loads
 
 EXPIRY_S = 10.0  # 5 missed heartbeats (engine.replica.HEARTBEAT_S)
 # A router polls every second: one not heard from for this long is gone, and its load no longer counts.
@@ -51,8 +51,16 @@ class Registry:
         """The deployed topology's `router` section (plain data; the router validates it)."""
         return (self._topology or {}).get("router")
 
-    def publish(self, info: ReplicaInfo) -> None:
+    def publish(self, info: ReplicaInfo) -> DispatchedLoad:
+        """A replica's heartbeat; answered with what the live routers have dispatched to it and not seen end
+        (the queue its pool's autoscaling policy reads: cluster/autoscaling.py)."""
         self._entries[info.replica_id] = (info, time.monotonic())
+        total = DispatchedLoad()
+        for report in self.routers():
+            load = report.replicas.get(info.replica_id)
+            if load is not None:
+                total = add_loads(total, load)
+        return total
 
     def withdraw(self, replica_id: str) -> None:
         self._entries.pop(replica_id, None)

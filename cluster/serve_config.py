@@ -25,6 +25,7 @@ from typing import Any
 import msgspec
 import yaml
 
+from cluster.autoscaling import serve_autoscaling_config
 from cluster.kuberay import (
     HEAD_GROUP,
     MODEL_CLAIM,
@@ -60,6 +61,11 @@ def compile_serve_config(
         for role, pool in topo.pools.items()
         if pool.replicas > 0
     ]  # a prefill pool of 0 replicas is left out: decode then prefills everything itself
+    for deployment in deployments:
+        if getattr(topo.pools, deployment["name"]).autoscaling is not None:
+            # Serve's controller then owns the count, from `initial_replicas` (cluster/autoscaling.py).
+            deployment["autoscaling_config"] = serve_autoscaling_config(topo, deployment["name"])
+            del deployment["num_replicas"]
     deployments.append({"name": REGISTRY, "user_config": {TOPOLOGY_KEY: msgspec.to_builtins(topo)}})
     if serve_router:
         deployments.append(router_deployment_config(topo.server))

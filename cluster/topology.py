@@ -110,6 +110,27 @@ class Speculative(_Config, frozen=True, kw_only=True):
         return config
 
 
+class Autoscaling(_Config, frozen=True, kw_only=True):
+    """SLO-driven replica counts for one pool: cluster/autoscaling.py decides from the replicas' load, Serve's
+    controller starts and drains. The pool's `replicas` is then the count it starts with."""
+
+    min_replicas: PositiveInt = 1
+    max_replicas: PositiveInt
+    # Replicas kept started beyond what the load needs: a burst lands on engines that are already warm.
+    warm_replicas: NonNegativeInt = 0
+    # Prefill only: the queued prefill seconds a replica may hold, as a share of router.ttft_slo_ms
+    # (default 0.25: a prompt waits at most a quarter of its budget behind others).
+    queue_share_of_ttft: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
+    # Decode only: the KV usage (default 0.8) and running sequences (default: 3/4 of engine.max_num_seqs when
+    # set) a replica may hold; its step time is held to router.tpot_slo_ms.
+    kv_usage: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
+    running_seqs: PositiveInt | None = None
+    # The load is averaged over this window before each decision.
+    window_s: PositiveFloat = 10.0
+    # Lower load must last this long before replicas are drained (a burst's lull is not a quiet).
+    downscale_delay_s: NonNegativeFloat = 300.0
+
+
 class EngineArgs(_Config, frozen=True, kw_only=True):
     """vLLM engine args of one replica of a pool. None means vLLM's own default."""
 
@@ -145,6 +166,8 @@ class Pool(_Config, frozen=True, kw_only=True):
     engine: EngineArgs = msgspec.field(default_factory=EngineArgs)
     # Decode only: the prefill engine computes the prompt and one token, so has nothing to speculate on.
     speculative: Speculative | None = None
+    # None: `replicas`, fixed (scaled by `pdserve apply`).
+    autoscaling: Autoscaling | None = None
     # Serve calls in flight per replica (KV export and release). Legs do not pass Serve: the router's policy
     # spreads them by load, and `router.overload_queue_tokens` bounds what the cluster admits.
     max_ongoing_requests: PositiveInt = 64
@@ -163,6 +186,11 @@ class Pool(_Config, frozen=True, kw_only=True):
     @property
     def uses_gpus(self) -> bool:
         return self.gpus_per_replica > 0
+
+    @property
+    def max_replicas(self) -> int:
+        """The most replicas the pool may run: what the cluster must hold room for."""
+        return self.autoscaling.max_replicas if self.autoscaling is not None else self.replicas
 
     @property
     def shares_gpu(self) -> bool:

@@ -79,6 +79,7 @@ def validate(topo: Topology) -> None:
     for role, pool in topo.pools.items():
         _check_pool(role, pool)
         _check_batch_limits(f"pools.{role}", pool.engine, topo.model.max_model_len)
+        _check_autoscaling(f"pools.{role}", role, pool)
     _check_pools_together(topo.pools)
     _check_server_and_ray(topo.server, topo.ray)
     if topo.nodes is not None:
@@ -216,6 +217,36 @@ def _check_pool(role: str, pool: Pool) -> None:
         _check_gpu_pool(at, pool)
     else:
         _check_cpu_pool(at, pool)
+
+
+def _check_autoscaling(at: str, role: str, pool: Pool) -> None:
+    scaling = pool.autoscaling
+    if scaling is None:
+        return
+    at = f"{at}.autoscaling"
+    if scaling.min_replicas > scaling.max_replicas:
+        raise TopologyError(
+            f"{at}.min_replicas",
+            f"{scaling.min_replicas} is above max_replicas ({scaling.max_replicas})",
+        )
+    if not scaling.min_replicas <= pool.replicas <= scaling.max_replicas:
+        where = at.removesuffix(".autoscaling")
+        raise TopologyError(
+            f"{where}.replicas",
+            f"the autoscaled pool starts with this many: must be within autoscaling's"
+            f" {scaling.min_replicas}..{scaling.max_replicas}, got {pool.replicas}",
+        )
+    other = "decode" if role == "prefill" else "prefill"
+    own = ("queue_share_of_ttft",) if role == "prefill" else ("kv_usage", "running_seqs")
+    for field in ("queue_share_of_ttft", "kv_usage", "running_seqs"):
+        if field not in own and getattr(scaling, field) is not None:
+            raise TopologyError(f"{at}.{field}", f"a target of {other} pools, not of {role}'s")
+    limit = pool.engine.max_num_seqs
+    if scaling.running_seqs is not None and limit is not None and scaling.running_seqs > limit:
+        raise TopologyError(
+            f"{at}.running_seqs",
+            f"{scaling.running_seqs} is more than a replica runs at once (engine.max_num_seqs: {limit})",
+        )
 
 
 def _check_gpu_pool(at: str, pool: Pool) -> None:
@@ -485,15 +516,17 @@ def _check_inventory(groups: list[NodeGroup], pools: Pools) -> None:
         active, key=lambda rp: (-rp[1].gpus_per_replica, -rp[1].cpus_per_replica, rp[0] != "decode")
     )
     for role, pool in order:
-        for n in range(pool.replicas):
+        # An autoscaled pool must fit at its largest.
+        field = "autoscaling.max_replicas" if pool.autoscaling is not None else "replicas"
+        for n in range(pool.max_replicas):
             if not _place_replica(pool, nodes):
                 others = ", ".join(f"{placed[r]} {r}" for r in placed if placed[r]) or "nothing else"
                 raise TopologyError(
-                    f"pools.{role}.replicas",
-                    f"{pool.replicas} replicas do not fit the nodes labelled "
+                    f"pools.{role}.{field}",
+                    f"{pool.max_replicas} replicas do not fit the nodes labelled "
                     f"{_format_labels(pool.node_labels)}: only {n} fit after placing {others}",
                 )
-        placed[role] = pool.replicas
+        placed[role] = pool.max_replicas
 
 
 def _check_router_nodes(server: ServerConfig, groups: list[NodeGroup]) -> None:

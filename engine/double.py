@@ -225,6 +225,7 @@ class DoubleEngineHost:
     def stats(self) -> EngineStats:
         block = self.spec.block_size
         used = sum(math.ceil(n / block) for n in self._running_tokens.values())
+        stepping = bool(self._running_tokens) and self.spec.role == "decode"
         return EngineStats(
             replica_id=self.replica_id,
             role=self.spec.role,
@@ -238,6 +239,7 @@ class DoubleEngineHost:
             nixl_bytes_transferred=0,
             nixl_transfers=self._transfers,
             requests_finished=self._finished,
+            step_s=self.timing.decode_s_per_token if stepping else 0.0,
         )
 
     def info(self, *, draining: bool = False) -> ReplicaInfo:

@@ -331,6 +331,7 @@ class EngineHost:
             spec_drafts=c.spec_drafts,
             spec_draft_tokens=c.spec_draft_tokens,
             spec_accepted_tokens=c.spec_accepted_tokens,
+            step_s=c.step_s if c.running else 0.0,
             gpus=self._gpus.sample(),
         )
 

@@ -217,6 +217,8 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     spec_drafts: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    # Recent seconds between the engine's steps while it ran sequences (0: idle since it started).
+    step_s: float = 0.0
     gpus: list[GpuSample] = []
 
 
@@ -268,6 +270,29 @@ class DispatchedLoad(msgspec.Struct, frozen=True, array_like=True):
     queued_prefill_s: float = 0.0
     active_seqs: int = 0
     active_context_tokens: int = 0
+
+
+def add_loads(a: DispatchedLoad, b: DispatchedLoad) -> DispatchedLoad:
+    return DispatchedLoad(
+        queued_prefill_tokens=a.queued_prefill_tokens + b.queued_prefill_tokens,
+        queued_prefill_requests=a.queued_prefill_requests + b.queued_prefill_requests,
+        queued_prefill_s=a.queued_prefill_s + b.queued_prefill_s,
+        active_seqs=a.active_seqs + b.active_seqs,
+        active_context_tokens=a.active_context_tokens + b.active_context_tokens,
+    )
+
+
+class ReplicaLoad(msgspec.Struct, frozen=True, kw_only=True):
+    """One engine replica's load as its pool's autoscaling policy reads it (cluster/autoscaling.py); Serve
+    averages each field over the pool's window."""
+
+    # What every router has dispatched here and not yet seen computed: the prompts' estimated seconds.
+    queued_prefill_s: float = 0.0
+    busy: float = 0.0  # 1 while the replica has any work, else 0: its window mean is the busy share
+    kv_usage: float = 0.0
+    running: float = 0.0
+    waiting: float = 0.0
+    step_s: float = 0.0  # the engine's recent seconds between steps while it runs sequences (0: idle)
 
 
 class RouterReport(msgspec.Struct, frozen=True, kw_only=True):

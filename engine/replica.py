@@ -17,7 +17,7 @@ from ray import serve
 from engine.double import DoubleEngineHost
 from engine.host import EngineHost
 from engine.leg_server import Handler, LegServer
-from engine.messages import EngineStats, LegKind, ReplicaInfo
+from engine.messages import DispatchedLoad, EngineStats, LegKind, ReplicaInfo, ReplicaLoad
 from engine.spec import spec_from_env
 from engine.token_sender import TokenSender
 from engine.tracing import otlp_tracer
@@ -72,6 +72,8 @@ class EngineReplica:
         self._legs = LegServer(self.leg_handlers(), self.tokens, node_ip)
         self._legs.start()
         self._draining = False
+        # What the routers have dispatched here and not seen end, as of the last heartbeat.
+        self._routed = DispatchedLoad()
         self._heartbeat = asyncio.create_task(self._publish_forever())
 
     def leg_handlers(self) -> Mapping[LegKind, Handler]:
@@ -84,7 +86,7 @@ class EngineReplica:
         that every router stops routing here before Serve's health check replaces the replica."""
         while True:
             try:
-                await self._registry.publish.remote(self.info())
+                self._routed = await self._registry.publish.remote(self.info())
             except Exception as exc:  # the registry restarting must not kill the engine replica
                 log.warning("registry publish failed (will retry): %s", exc)
             failed_before = self.host.failure() is not None
@@ -100,6 +102,20 @@ class EngineReplica:
 
     def stats(self) -> EngineStats:
         return self.host.stats()
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve samples this for the pool's autoscaling policy (cluster/autoscaling.py) and averages it
+        over the pool's window."""
+        stats, routed = self.host.stats(), self._routed
+        load = ReplicaLoad(
+            queued_prefill_s=routed.queued_prefill_s,
+            busy=float(bool(stats.running or stats.waiting or routed.queued_prefill_requests)),
+            kv_usage=stats.kv_cache_usage,
+            running=stats.running,
+            waiting=stats.waiting,
+            step_s=stats.step_s,
+        )
+        return msgspec.structs.asdict(load)
 
     def info(self) -> ReplicaInfo:
         info = self.host.info(draining=self._draining)

@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+STEP_SMOOTHING = 0.2  # weight of the newest step interval in `step_s`
+
 
 @dataclass
 class EngineCounters:
@@ -29,11 +31,18 @@ class EngineCounters:
     spec_drafts: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    # Seconds between steps while sequences ran, smoothed over the last few (what a token costs now).
+    step_s: float = 0.0
     # When the engine last reported a step (monotonic clock): how a hung engine is told from a busy one.
     last_step_at: float = field(default_factory=time.monotonic)
 
     def record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
-        self.last_step_at = time.monotonic()
+        now = time.monotonic()
+        if self.running:  # sequences ran since the last step: the interval was one step
+            interval = now - self.last_step_at
+            old = self.step_s or interval
+            self.step_s = STEP_SMOOTHING * interval + (1 - STEP_SMOOTHING) * old
+        self.last_step_at = now
         if scheduler_stats is not None:
             self.running = scheduler_stats.num_running_reqs
             self.waiting = scheduler_stats.num_waiting_reqs

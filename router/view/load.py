@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import msgspec
 
-from engine.messages import DispatchedLoad, Role
+from engine.messages import DispatchedLoad, Role, add_loads
 from router.messages import Decision, ReplicaView, RouteRequest
 from router.policy.cost import estimated_prefill_s
 from router.service_time import ServiceTimeModel, Timing
@@ -184,7 +184,7 @@ class LoadTracker:
         for report in reports:
             for rid, d in report.items():
                 t = total.get(rid)
-                total[rid] = d if t is None else _sum(t, d)
+                total[rid] = d if t is None else add_loads(t, d)
         if total == self._peers:
             return
         for rid in self._peers.keys() | total.keys():
@@ -241,13 +241,3 @@ class LoadTracker:
 
 
 _NONE = DispatchedLoad()
-
-
-def _sum(a: DispatchedLoad, b: DispatchedLoad) -> DispatchedLoad:
-    return DispatchedLoad(
-        queued_prefill_tokens=a.queued_prefill_tokens + b.queued_prefill_tokens,
-        queued_prefill_requests=a.queued_prefill_requests + b.queued_prefill_requests,
-        queued_prefill_s=a.queued_prefill_s + b.queued_prefill_s,
-        active_seqs=a.active_seqs + b.active_seqs,
-        active_context_tokens=a.active_context_tokens + b.active_context_tokens,
-    )

@@ -37,8 +37,11 @@ OBJECT_STORE = 80 * 1024**2  # several raylets on one small host: keep each obje
 FAST_NODE_DEATH = {"health_check_period_ms": 1000, "health_check_failure_threshold": 10}
 
 
-def double_topology(dashboard_port: int, **pools: dict[str, Any]) -> Topology:
-    """A double-engine topology: prefill on `role: prefill` nodes, decode on `role: decode` nodes."""
+def double_topology(
+    dashboard_port: int, router: dict[str, Any] | None = None, **pools: dict[str, Any]
+) -> Topology:
+    """A double-engine topology: prefill on `role: prefill` nodes, decode on `role: decode` nodes; `router`
+    and `pools` override those sections' fields."""
     base: dict[str, Any] = {
         "model": {"engine": "double"},
         "pools": {
@@ -55,6 +58,8 @@ def double_topology(dashboard_port: int, **pools: dict[str, Any]) -> Topology:
     }
     for role, fields in pools.items():
         base["pools"][role].update(fields)
+    if router is not None:
+        base["router"] = router
     return parse_topology(base)
 
 

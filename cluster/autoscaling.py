@@ -1,0 +1,137 @@
+"""SLO-driven autoscaling of the engine pools (the topology's `pools.*.autoscaling`).
+
+Who does what:
+1. Every engine replica reports its load to Serve (`EngineReplica.record_autoscaling_stats`): a `ReplicaLoad`
+   from its engine's own counters (KV usage, running and waiting sequences, step time) and from what the
+   routers have queued on it (their estimated prefill seconds, which the registry hands back at each
+   heartbeat).
+2. Serve's controller averages each signal over the pool's `window_s` and asks `PoolPolicy`, the pool's
+   custom autoscaling policy, how many replicas it wants; Serve then applies min/max and
+   `downscale_delay_s`, starts replicas, and stops the ones it scales away. A stopping replica drains
+   (engine/replica.py `__del__`): it tells the routers to stop sending, then finishes its legs and transfers.
+3. `needed_replicas` is the one formula. The replay (bench/replay/autoscaler.py) calls it with the same
+   signals read from its simulated replicas, so a replayed deployment scales as a live one does.
+
+The formula, for a pool whose replicas report window-mean loads (sums over its running replicas):
+    prefill: need = max(sum queued_prefill_s / (queue_share_of_ttft x TTFT SLO), sum busy / BUSY_TARGET)
+    decode:  need = max(sum kv_usage / kv target, sum (running + waiting) / sequence target,
+                        replicas x mean step_s / TPOT SLO)
+    wanted = ceil(need) + warm_replicas, within min_replicas..max_replicas
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import msgspec
+
+from cluster.topology import Pool, Topology
+from engine.messages import ReplicaLoad, Role
+
+# A prefill replica busy more than this share of the window is short of headroom even with a short queue.
+BUSY_TARGET = 0.8
+QUEUE_SHARE_OF_TTFT = 0.25
+KV_USAGE = 0.8
+RUNNING_SEQS_SHARE = 0.75  # of engine.max_num_seqs, when the topology sets it
+POLICY_IMPORT_PATH = "cluster.autoscaling:PoolPolicy"
+
+
+class ScaleTargets(msgspec.Struct, frozen=True, kw_only=True):
+    """What one pool's replicas may hold, resolved from the topology (its SLOs and engine limits)."""
+
+    role: Role
+    warm_replicas: int = 0
+    queue_s: float = 1.25  # prefill: queued prefill seconds a replica may hold
+    kv_usage: float = KV_USAGE
+    running_seqs: float | None = None  # decode: None: no target on sequences
+    tpot_s: float = 0.05
+
+
+def scale_targets(topo: Topology, role: Role) -> ScaleTargets:
+    pool: Pool = getattr(topo.pools, role)
+    scaling = pool.autoscaling
+    if scaling is None:
+        raise ValueError(f"pools.{role} has no autoscaling")
+    share = scaling.queue_share_of_ttft or QUEUE_SHARE_OF_TTFT
+    seqs: float | None = scaling.running_seqs
+    if seqs is None and pool.engine.max_num_seqs is not None:
+        seqs = RUNNING_SEQS_SHARE * pool.engine.max_num_seqs
+    return ScaleTargets(
+        role=role,
+        warm_replicas=scaling.warm_replicas,
+        queue_s=share * topo.router.ttft_slo_ms / 1e3,
+        kv_usage=scaling.kv_usage or KV_USAGE,
+        running_seqs=seqs,
+        tpot_s=topo.router.tpot_slo_ms / 1e3,
+    )
+
+
+def needed_replicas(targets: ScaleTargets, loads: Sequence[ReplicaLoad]) -> float:
+    """The replicas the pool's load needs, before the warm buffer and the bounds (the module docstring)."""
+    if not loads:
+        return 0.0
+    if targets.role == "prefill":
+        queued = sum(r.queued_prefill_s for r in loads) / targets.queue_s
+        return max(queued, sum(r.busy for r in loads) / BUSY_TARGET)
+    need = sum(r.kv_usage for r in loads) / targets.kv_usage
+    if targets.running_seqs is not None:
+        need = max(need, sum(r.running + r.waiting for r in loads) / targets.running_seqs)
+    stepping = [r.step_s for r in loads if r.step_s > 0]
+    if stepping:
+        need = max(need, len(loads) * (sum(stepping) / len(stepping)) / targets.tpot_s)
+    return need
+
+
+def wanted_replicas(targets: ScaleTargets, loads: Sequence[ReplicaLoad]) -> int:
+    """`needed_replicas` rounded up, plus the warm buffer (the bounds and delays are applied after)."""
+    return math.ceil(needed_replicas(targets, loads) - 1e-9) + targets.warm_replicas
+
+
+class PoolPolicy:
+    """The pools' Serve autoscaling policy (`policy_function`, a class: Serve builds it with the pool's
+    `ScaleTargets` as `policy_kwargs` and calls it with an AutoscalingContext at every control loop)."""
+
+    def __init__(self, **targets: Any) -> None:
+        self.targets = msgspec.convert(targets, ScaleTargets)
+
+    def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
+        loads = replica_loads(ctx.aggregated_metrics or {}, ctx.running_replicas)
+        if not loads:  # nothing running has reported yet (all starting): keep the target
+            return ctx.target_num_replicas, ctx.policy_state
+        wanted = wanted_replicas(self.targets, loads)
+        state = dict(ctx.policy_state)
+        state["pdserve_need"] = round(needed_replicas(self.targets, loads), 3)
+        return wanted, state
+
+
+def replica_loads(metrics: Mapping[str, Mapping[Any, float]], replicas: Sequence[Any]) -> list[ReplicaLoad]:
+    """The running replicas' window-mean loads from Serve's aggregated custom metrics (metric -> replica ->
+    value); a replica that has not reported a signal yet counts as idle in it."""
+    fields = ReplicaLoad.__struct_fields__
+    reported = [r for r in replicas if any(r in metrics.get(f, {}) for f in fields)]
+    return [ReplicaLoad(**{f: float(metrics.get(f, {}).get(r, 0.0)) for f in fields}) for r in reported]
+
+
+def serve_autoscaling_config(topo: Topology, role: Role) -> dict[str, Any]:
+    """The deployment's Serve `autoscaling_config` for an autoscaled pool."""
+    pool: Pool = getattr(topo.pools, role)
+    scaling = pool.autoscaling
+    assert scaling is not None
+    return {
+        "min_replicas": scaling.min_replicas,
+        "max_replicas": scaling.max_replicas,
+        "initial_replicas": pool.replicas,
+        "look_back_period_s": scaling.window_s,
+        # How often replicas push their samples (Serve's default, 10 s, would lag a window shorter than that);
+        # Serve marks the field deprecated but reads it for the push period.
+        "metrics_interval_s": min(10.0, scaling.window_s / 5),
+        # The window already smooths the load: a burst is met as soon as the window's mean shows it.
+        "upscale_delay_s": 0.0,
+        "downscale_delay_s": scaling.downscale_delay_s,
+        "policy": {
+            "policy_function": POLICY_IMPORT_PATH,
+            "policy_kwargs": msgspec.to_builtins(scale_targets(topo, role)),
+        },
+    }
