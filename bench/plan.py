@@ -208,12 +208,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve plan", description=__doc__.split("\n\n")[0])
     p.add_argument("-f", "--file", type=Path, required=True, help="the topology to plan from")
     p.add_argument("-o", "--out", type=Path, required=True, help="where the planned topology goes")
-    p.add_argument("--trace", choices=["claude-code", "mooncake"], required=True)
+    p.add_argument("--trace", choices=["claude-code", "mooncake", "azure"], required=True)
     p.add_argument("--traces-dir", type=Path, default=DEFAULT_TRACES_DIR)
     p.add_argument("--concurrency", type=int, default=None, help="claude-code: sessions in flight")
-    p.add_argument("--time-scale", type=float, default=None, help="mooncake: times the recorded rate")
+    p.add_argument("--time-scale", type=float, default=None, help="mooncake, azure: times the recorded rate")
     p.add_argument("--sessions", type=int, default=None, help="claude-code: sessions replayed (default all)")
-    p.add_argument("--requests", type=int, default=None, help="mooncake: first N requests (default all)")
+    p.add_argument(
+        "--requests", type=int, default=None, help="open-loop traces: first N requests (default all)"
+    )
     p.add_argument("--block-tokens", type=int, default=512)
     p.add_argument("--slo", default=None, help="e.g. ttft=5,tpot=0.05 (seconds; default the topology's)")
     p.add_argument("--attainment", type=float, default=DEFAULT_ATTAINMENT, help="share within the SLOs")
@@ -283,7 +285,7 @@ def _load(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str
         return {"concurrency": args.concurrency}
     if args.time_scale is None or args.time_scale <= 0 or args.concurrency is not None:
         parser.error(
-            "--trace mooncake: give --time-scale X (> 0, times the recorded rate), not --concurrency"
+            f"--trace {args.trace}: give --time-scale X (> 0, times the recorded rate), not --concurrency"
         )
     return {"time_scale": args.time_scale}
 

@@ -13,7 +13,9 @@ Who does what:
    signals read from its simulated replicas, so a replayed deployment scales as a live one does.
 
 The formula, for a pool whose replicas report window-mean loads (sums over its running replicas):
-    prefill: need = max(sum queued_prefill_s / (queue_share_of_ttft x TTFT SLO), sum busy / BUSY_TARGET)
+    prefill: need = sum busy / BUSY_TARGET
+                    + max(0, sum queued_prefill_s - replicas x queue_share_of_ttft x TTFT SLO)
+                      / (TTFT SLO + mean start_s)
     decode:  need = max(sum kv_usage / kv target, sum (running + waiting) / sequence target,
                         replicas x mean step_s / TPOT SLO)
     wanted = ceil(need) + warm_replicas, within min_replicas..max_replicas
@@ -30,11 +32,12 @@ import msgspec
 from cluster.topology import Pool, Topology
 from engine.messages import ReplicaLoad, Role
 
-# A prefill replica busy more than this share of the window is short of headroom even with a short queue.
-BUSY_TARGET = 0.8
+# The share of the window a prefill replica may be busy: short of it even with a short queue, it has no room
+# for the next burst.
+BUSY_TARGET = float(__import__("os").environ.get("BT", "0.9"))
 QUEUE_SHARE_OF_TTFT = 0.25
 KV_USAGE = 0.8
-RUNNING_SEQS_SHARE = 0.75  # of engine.max_num_seqs, when the topology sets it
+RUNNING_SEQS_SHARE = 1.0  # of engine.max_num_seqs, when the topology sets it
 POLICY_IMPORT_PATH = "cluster.autoscaling:PoolPolicy"
 
 
@@ -44,6 +47,7 @@ class ScaleTargets(msgspec.Struct, frozen=True, kw_only=True):
     role: Role
     warm_replicas: int = 0
     queue_s: float = 1.25  # prefill: queued prefill seconds a replica may hold
+    ttft_s: float = 5.0  # prefill: the TTFT SLO, within which a longer queue should drain
     kv_usage: float = KV_USAGE
     running_seqs: float | None = None  # decode: None: no target on sequences
     tpot_s: float = 0.05
@@ -62,6 +66,7 @@ def scale_targets(topo: Topology, role: Role) -> ScaleTargets:
         role=role,
         warm_replicas=scaling.warm_replicas,
         queue_s=share * topo.router.ttft_slo_ms / 1e3,
+        ttft_s=topo.router.ttft_slo_ms / 1e3,
         kv_usage=scaling.kv_usage or KV_USAGE,
         running_seqs=seqs,
         tpot_s=topo.router.tpot_slo_ms / 1e3,
@@ -73,8 +78,12 @@ def needed_replicas(targets: ScaleTargets, loads: Sequence[ReplicaLoad]) -> floa
     if not loads:
         return 0.0
     if targets.role == "prefill":
-        queued = sum(r.queued_prefill_s for r in loads) / targets.queue_s
-        return max(queued, sum(r.busy for r in loads) / BUSY_TARGET)
+        # The busy replicas, with headroom; plus what drains the queue beyond each replica's share of it
+        # within a TTFT budget of a new replica's start: sooner, they cannot (and asking for more, while
+        # the first are still starting, overshoots).
+        excess = sum(r.queued_prefill_s for r in loads) - len(loads) * targets.queue_s
+        start_s = sum(r.start_s for r in loads) / len(loads)
+        return sum(r.busy for r in loads) / BUSY_TARGET + max(0.0, excess) / (targets.ttft_s + start_s)
     need = sum(r.kv_usage for r in loads) / targets.kv_usage
     if targets.running_seqs is not None:
         need = max(need, sum(r.running + r.waiting for r in loads) / targets.running_seqs)

@@ -18,6 +18,7 @@ from typing import Any
 
 import msgspec
 
+from engine import start_phases
 from engine.messages import ReplicaInfo, RouterReport
 
 ENGINE_DEPLOYMENTS = ("prefill", "decode")
@@ -41,6 +42,8 @@ class ReplicaRow(msgspec.Struct, frozen=True, kw_only=True):
     running: int | None
     waiting: int | None
     kv_cache_usage: float | None
+    # Seconds each phase of its start took (engine/start_phases.py); empty while unknown.
+    start_phases: dict[str, float] = {}
 
 
 class ClusterStatus(msgspec.Struct, frozen=True, kw_only=True):
@@ -64,6 +67,7 @@ class Published(msgspec.Struct, frozen=True, kw_only=True):
     running: int | None = None
     waiting: int | None = None
     kv_cache_usage: float | None = None
+    start_phases: dict[str, float] = {}
 
     @classmethod
     def of_info(cls, info: ReplicaInfo) -> Published:
@@ -76,6 +80,7 @@ class Published(msgspec.Struct, frozen=True, kw_only=True):
             running=s.running if s else None,
             waiting=s.waiting if s else None,
             kv_cache_usage=s.kv_cache_usage if s else None,
+            start_phases=dict(info.start_phases),
         )
 
     @classmethod
@@ -100,6 +105,7 @@ class Published(msgspec.Struct, frozen=True, kw_only=True):
             running=replica.running_requests,
             waiting=replica.waiting_requests,
             kv_cache_usage=replica.kv_cache_usage,
+            start_phases=dict(replica.start_phases_s),
         )
 
 
@@ -181,6 +187,7 @@ def _row(
         running=info.running if info else None,
         waiting=info.waiting if info else None,
         kv_cache_usage=info.kv_cache_usage if info else None,
+        start_phases=info.start_phases if info else {},
     )
 
 
@@ -262,6 +269,7 @@ _COLUMNS = (
     "ACTOR",
     "RUN/WAIT",
     "KV",
+    "START",
 )
 
 
@@ -298,4 +306,14 @@ def _cells(r: ReplicaRow) -> tuple[str, ...]:
         r.actor_name or "-",
         load,
         kv,
+        _start(r.start_phases),
     )
+
+
+def _start(phases: dict[str, float]) -> str:
+    """The start's total and its phases, e.g. `41.2s (actor 3.1, weights 20.4, ...)`."""
+    if not phases:
+        return "-"
+    total = sum(s for p, s in phases.items() if p != "nixl_handshake")
+    ordered = [p for p in start_phases.ORDER if p in phases]  # gRPC's map has no order
+    return f"{total:.1f}s (" + ", ".join(f"{p} {phases[p]:.1f}" for p in ordered) + ")"

@@ -125,8 +125,9 @@ class Autoscaling(_Config, frozen=True, kw_only=True):
     # set) a replica may hold; its step time is held to router.tpot_slo_ms.
     kv_usage: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
     running_seqs: PositiveInt | None = None
-    # The load is averaged over this window before each decision.
-    window_s: PositiveFloat = 10.0
+    # The load is averaged over this window before each decision: a burst shorter than a replica's start is
+    # the warm buffer's to absorb, not a reason to start one.
+    window_s: PositiveFloat = 60.0
     # Lower load must last this long before replicas are drained (a burst's lull is not a quiet).
     downscale_delay_s: NonNegativeFloat = 300.0
 

@@ -122,6 +122,7 @@ class DoubleEngineHost:
         self.timing = timing or DoubleTiming()
         self._max_num_seqs = int(spec.engine_args.get("max_num_seqs") or _DEFAULT_MAX_NUM_SEQS)
         self._started = False
+        self.start_phases: dict[str, float] = {}
         self._slots: asyncio.Semaphore | None = None
         self._cache = _PrefixCache(spec.block_size, self.timing.kv_capacity_blocks)
         self._running_tokens: dict[str, int] = {}  # request id -> prompt + generated tokens so far
@@ -132,7 +133,9 @@ class DoubleEngineHost:
     # ---- lifecycle -------------------------------------------------------------------------------
 
     def start(self) -> None:
+        started = time.monotonic()
         self._started = True
+        self.start_phases = {"engine_other": time.monotonic() - started}
 
     def shutdown(self) -> None:
         self._started = False
@@ -255,6 +258,7 @@ class DoubleEngineHost:
             ready=self._started,
             draining=draining,
             stats=self.stats(),
+            start_phases=self.start_phases,
         )
 
     def failure(self) -> str | None:

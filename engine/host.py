@@ -18,6 +18,7 @@ from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
 
+from engine import start_phases
 from engine.gpu_stats import GpuReader
 from engine.messages import (
     Constraint,
@@ -122,6 +123,11 @@ class EngineHost:
         self._failure: str | None = None
         self._inflight = 0
         self._busy_since = time.monotonic()
+        # Where vLLM's processes write their start phases (engine/start_phases.py), and what they were.
+        fd, phases_file = tempfile.mkstemp(prefix="pdserve-start-", suffix=".jsonl")
+        os.close(fd)
+        self._phases_file = Path(phases_file)
+        self.start_phases: dict[str, float] = {}
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
@@ -134,6 +140,9 @@ class EngineHost:
         started = time.monotonic()
         loggers: list[Any] = [counters_logger_factory(self.counters), unexported_prometheus_logger()]
         self._llm = AsyncLLM.from_engine_args(args, stat_loggers=loggers)
+        self.start_phases = start_phases.engine_phases(
+            start_phases.read(self._phases_file), time.monotonic() - started
+        )
         # vLLM reads its environment variables on its per-token path (os.environ each time) unless told they
         # no longer change, as its engine core is: this process's were all set above, before the engine.
         from vllm import envs
@@ -153,6 +162,7 @@ class EngineHost:
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None
+        self._phases_file.unlink(missing_ok=True)
 
     def _configure_process_env(self) -> None:
         # Read by vLLM (and inherited by its engine-core subprocess) when the engine starts; this
@@ -163,6 +173,7 @@ class EngineHost:
             "PDSERVE_ENGINE_HOST_PID": str(os.getpid()),
             "VLLM_NIXL_SIDE_CHANNEL_HOST": self.node_ip,
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.nixl_port),
+            start_phases.ENV: str(self._phases_file),
         }
         if self.spec.bind_host in ("127.0.0.1", "localhost"):
             # A one-machine cluster: vLLM's own sockets and NIXL's UCX transports (which listen on every
@@ -349,7 +360,17 @@ class EngineHost:
             draining=draining,
             failed=self.failure() or "",
             stats=self.stats(),
+            start_phases=self._start_phases(),
         )
+
+    def _start_phases(self) -> dict[str, float]:
+        """The start's phases, and once it happened, the first NIXL handshake (a decode engine's, at its
+        first KV transfer: the file is read again until then)."""
+        if self.spec.kv_transfer and "nixl_handshake" not in self.start_phases and self._llm is not None:
+            handshake = start_phases.read(self._phases_file).get("nixl_handshake")
+            if handshake is not None:
+                self.start_phases = {**self.start_phases, "nixl_handshake": handshake}
+        return self.start_phases
 
     async def check_health(self) -> None:
         if self._llm is None:

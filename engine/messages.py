@@ -245,6 +245,8 @@ class ReplicaInfo(msgspec.Struct, frozen=True, kw_only=True):
     failed: str = ""
     # The engine's counters at the time of publishing (refreshed with every heartbeat).
     stats: EngineStats | None = None
+    # Seconds each phase of the replica's start took, in order (engine/start_phases.py).
+    start_phases: dict[str, float] = {}
 
 
 class ReplicaFailed(Exception):
@@ -293,6 +295,7 @@ class ReplicaLoad(msgspec.Struct, frozen=True, kw_only=True):
     running: float = 0.0
     waiting: float = 0.0
     step_s: float = 0.0  # the engine's recent seconds between steps while it runs sequences (0: idle)
+    start_s: float = 0.0  # how long the replica took to start (its start phases): what a new one will
 
 
 class RouterReport(msgspec.Struct, frozen=True, kw_only=True):

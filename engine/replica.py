@@ -19,6 +19,7 @@ from engine.host import EngineHost
 from engine.leg_server import Handler, LegServer
 from engine.messages import DispatchedLoad, EngineStats, LegKind, ReplicaInfo, ReplicaLoad
 from engine.spec import spec_from_env
+from engine.start_phases import process_age_s
 from engine.token_sender import TokenSender
 from engine.tracing import otlp_tracer
 
@@ -43,6 +44,7 @@ class EngineReplica:
     # Serve awaits async constructors; the replica is routed to only once this returns. The spec comes from
     # the replica's environment, not an init argument: see engine/spec.py for why.
     async def __init__(self) -> None:  # type: ignore[misc]
+        self._actor_s = process_age_s()  # Ray started the process, Serve the actor: the first phase
         spec = spec_from_env()
         context = serve.get_replica_context()
         self._registry = serve.get_deployment_handle("registry", context.app_name)
@@ -114,12 +116,15 @@ class EngineReplica:
             running=stats.running,
             waiting=stats.waiting,
             step_s=stats.step_s,
+            start_s=self._actor_s
+            + sum(s for phase, s in self.host.start_phases.items() if phase != "nixl_handshake"),
         )
         return msgspec.structs.asdict(load)
 
     def info(self) -> ReplicaInfo:
         info = self.host.info(draining=self._draining)
-        return msgspec.structs.replace(info, legs_address=self._legs.address)
+        phases = {"actor": self._actor_s, **info.start_phases}
+        return msgspec.structs.replace(info, legs_address=self._legs.address, start_phases=phases)
 
     async def __del__(self) -> None:
         # Serve awaits __del__ on graceful shutdown, after its own calls drained: tell the routers to stop

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 from typing import Any
+
+from engine import start_phases
 
 
 def register() -> None:
@@ -25,6 +28,8 @@ def register() -> None:
         _disable_nixl_progress_thread()
     if os.environ.get("PDSERVE_CPU_AMX_INIT") == "1":
         _request_amx_permission()
+    if os.environ.get(start_phases.ENV):
+        _time_start_phases()
 
 
 def _die_with_parent() -> None:
@@ -38,6 +43,42 @@ def _die_with_parent() -> None:
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     if libc.prctl(pr_set_pdeathsig, signal.SIGKILL) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+
+
+def _time_start_phases() -> None:
+    """Time vLLM's start phases where they run (engine/start_phases.py): whichever of these classes this
+    process uses, its method appends its duration to the host's file."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import NixlBaseConnectorWorker
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+    from vllm.v1.engine.core import EngineCore
+    from vllm.v1.worker.cpu_worker import CPUWorker
+    from vllm.v1.worker.gpu_worker import Worker
+
+    for owner, method, phase in (
+        (BaseModelLoader, "load_model", "weights"),
+        (EngineCore, "_initialize_kv_caches", "engine_init"),
+        (Worker, "compile_or_warm_up_model", "compile"),
+        (CPUWorker, "compile_or_warm_up_model", "compile"),
+        (NixlBaseConnectorWorker, "_nixl_handshake", "nixl_handshake"),
+    ):
+        _timed(owner, method, phase)
+
+
+def _timed(owner: type, method: str, phase: str) -> None:
+    real = owner.__dict__.get(method)
+    if real is None or getattr(real, "_pdserve_timed", False):
+        return
+
+    @functools.wraps(real)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        started = time.monotonic()
+        try:
+            return real(*args, **kwargs)
+        finally:
+            start_phases.record(phase, time.monotonic() - started)
+
+    timed._pdserve_timed = True  # type: ignore[attr-defined]
+    setattr(owner, method, timed)
 
 
 def _disable_nixl_progress_thread() -> None:

@@ -272,7 +272,15 @@ class _ClusterCollector(Collector):
         gauges = {n: GaugeMetricFamily(n, h, labels=labels) for n, h, _ in _ENGINE_GAUGES}
         counters = {n: CounterMetricFamily(n, h, labels=labels) for n, h, _ in _ENGINE_COUNTERS}
         gpus = {n: GaugeMetricFamily(n, h, labels=[*labels, "gpu"]) for n, h, _ in _GPU_GAUGES}
+        start = GaugeMetricFamily(
+            "pdserve_replica_start_seconds",
+            "Seconds each phase of the replica's start took (actor, weights, engine_init, compile,"
+            " engine_other, nixl_handshake).",
+            labels=[*labels, "phase"],
+        )
         for info in list(self._replicas().values()):
+            for phase, seconds in info.start_phases.items():
+                start.add_metric([info.replica_id, info.role, self._model, phase], seconds)
             s = info.stats
             if s is None:
                 continue
@@ -287,6 +295,7 @@ class _ClusterCollector(Collector):
         yield from gauges.values()
         yield from counters.values()
         yield from gpus.values()
+        yield start
         queued_requests = GaugeMetricFamily(
             "pdserve_router_queued_prefill_requests",
             "Prefill legs the router dispatched that have not finished, per replica (its queue).",

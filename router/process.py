@@ -343,6 +343,7 @@ def _replica_status(info: ReplicaInfo, *, routed: bool = True, failed: bool = Fa
         if info.ready and routed
         else "STARTING",
         node_id=info.node_id,
+        start_phases_s=info.start_phases,
     )
     s = info.stats
     if s is not None:

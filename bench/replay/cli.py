@@ -80,7 +80,7 @@ _FRACTION = _number(float, low=0, low_open=True, high=1)
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve replay", description=__doc__.split("\n\n")[0])
-    p.add_argument("--trace", choices=["claude-code", "mooncake"], required=True)
+    p.add_argument("--trace", choices=["claude-code", "mooncake", "azure"], required=True)
     p.add_argument("--traces-dir", type=Path, default=DEFAULT_TRACES_DIR)
     p.add_argument("--replicas", type=_COUNT0, default=8, help="prefill replicas (default 8)")
     p.add_argument(
@@ -93,7 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--sessions", type=_COUNT, default=None, help="claude-code: sessions in the slice (default all)"
     )
-    p.add_argument("--requests", type=_COUNT, default=None, help="mooncake: first N requests (default all)")
+    p.add_argument(
+        "--requests", type=_COUNT, default=None, help="open-loop traces: first N requests (default all)"
+    )
     p.add_argument("--seed", type=int, default=0, help="session sample and order, start stagger")
     p.add_argument(
         "--target-util", type=_FRACTION, default=0.6, help="prefill utilisation the load is set for"
@@ -106,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--pilot-rounds", type=_COUNT0, default=4, help="pilot runs correcting the analytic load")
     p.add_argument("--concurrency", type=_COUNT, default=None, help="claude-code: fix sessions in flight")
-    p.add_argument("--time-scale", type=_POSITIVE, default=None, help="mooncake: fix the arrival speed-up")
+    p.add_argument("--time-scale", type=_POSITIVE, default=None, help="open-loop traces: fix the speed-up")
     p.add_argument("--gap-scale", type=_NON_NEGATIVE, default=1.0, help="multiplies every tool/think gap")
     p.add_argument("--max-gap-s", type=_NON_NEGATIVE, default=300.0, help="caps every tool/think gap (s)")
     p.add_argument("--policies", default="all", help="'all' or comma-separated names")

@@ -65,6 +65,13 @@ class PolicyResult(msgspec.Struct, kw_only=True):
     prediction_error_tokens: float
     decision_us_mean: float
     wall_s: float
+    # Replica-seconds each pool ran (fixed pools: replicas x the replay's length; autoscaled: each replica
+    # from its start to its stop).
+    prefill_replica_s: float = 0.0
+    decode_replica_s: float = 0.0
+    # The most replicas of each pool that ran at once.
+    prefill_replicas_peak: int = 0
+    decode_replicas_peak: int = 0
 
 
 def summarize(
@@ -134,6 +141,10 @@ def summarize(
         prediction_error_tokens=sum(pred_err) / len(pred_err) if pred_err else 0.0,
         decision_us_mean=1e6 * sim.decide_s / sim.decisions if sim.decisions else 0.0,
         wall_s=wall_s,
+        prefill_replica_s=sim.replica_seconds(sim.prefill),
+        decode_replica_s=sim.replica_seconds(sim.decode),
+        prefill_replicas_peak=sim.replica_peak(sim.prefill),
+        decode_replicas_peak=sim.replica_peak(sim.decode),
     )
 
 

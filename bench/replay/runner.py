@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import msgspec
 
+from bench.replay.autoscaler import Autoscaler, PoolScaling
 from bench.replay.index_feed import KvIndexFeed
 from bench.replay.load import estimate_concurrency, estimate_time_scale, refine
 from bench.replay.metrics import PolicyResult, summarize
@@ -25,8 +26,12 @@ def replay_policy(
     *,
     slo: Slo | None = None,
     pooled: float | None = None,
+    autoscaling: Sequence[PoolScaling] = (),
+    tick_s: float = 2.0,
 ) -> tuple[PolicyResult, list[RequestRecord]]:
-    """The policy's summary, and what happened to each request (`pdserve replay --records`)."""
+    """The policy's summary, and what happened to each request (`pdserve replay --records`). `autoscaling`:
+    the pools that scale (bench/replay/autoscaler.py), deciding every `tick_s`; the config's replica counts
+    are then what they start with."""
     replica_ids = [f"p{i}" for i in range(cfg.prefill_replicas)] + [
         f"d{i}" for i in range(cfg.decode_replicas)
     ]
@@ -39,6 +44,8 @@ def replay_policy(
     # A policy instance per router, from the same factory: each router keeps its own sessions and recent work.
     policies = [factory(cfg.timing) for _ in range(cfg.routers)]
     sim = Simulator(trace, policies, cfg, index_factory=index_factory)  # type: ignore[arg-type]
+    if autoscaling:
+        Autoscaler(sim, list(autoscaling), tick_s)
     records = sim.run()
     return summarize(name, sim, records, bound, time.perf_counter() - t0, slo=slo, pooled=pooled), records
 

@@ -71,6 +71,7 @@ import msgspec
 
 from bench.replay.cache import CacheEvents, LruBlockCache
 from bench.replay.traces import Session, Trace, TraceRequest
+from engine.messages import ReplicaLoad
 from router.messages import Decision, Readback, ReplicaView, RouteRequest
 from router.policy.types import Policy, PrefixLookup
 from router.service_time import ServiceTimeModel, Timing
@@ -183,7 +184,7 @@ class _Job:
         self.ready_at = 0.0  # when its prefill may start (after its export is pinned)
 
 
-class _PrefillServer:
+class PrefillServer:
     """A FIFO of prompts computed one at a time against this replica's cache."""
 
     def __init__(self, replica_id: str, cache: LruBlockCache) -> None:
@@ -193,9 +194,12 @@ class _PrefillServer:
         self.running: _Job | None = None
         self.computed_tokens = 0
         self.busy: list[tuple[float, float]] = []
+        # When it started (0: with the replay) and stopped (None: it runs to the end): what it cost.
+        self.started = 0.0
+        self.stopped: float | None = None
 
 
-class _DecodeServer(_PrefillServer):
+class DecodeServer(PrefillServer):
     """A decode replica: a continuous batch whose per-token rate follows the batch, plus local prefills."""
 
     def __init__(self, replica_id: str, cache: LruBlockCache) -> None:
@@ -238,8 +242,8 @@ class _Pin:
 
 
 # Event kinds, ordered so that at equal times completions run before arrivals (frees capacity first), and so
-# do the routers' load reports (an arrival at a sync's instant sees it).
-_PREFILL_DONE, _TRANSFER_DONE, _DECODE_CHECK, _SYNC, _ARRIVAL, _EXPORTED, _SLOT_START = range(7)
+# do the routers' load reports (an arrival at a sync's instant sees it); timers (the autoscaler's) last.
+_PREFILL_DONE, _TRANSFER_DONE, _DECODE_CHECK, _SYNC, _ARRIVAL, _EXPORTED, _SLOT_START, _TIMER = range(8)
 
 
 class Simulator:
@@ -262,15 +266,16 @@ class Simulator:
         self.timing = config.timing
         self.block_tokens = trace.block_tokens
         events, self.lookup = index_factory()
+        self._events = events
         self.prefill = [
-            _PrefillServer(f"p{i}", LruBlockCache(f"p{i}", config.capacity_blocks, events))
+            PrefillServer(f"p{i}", LruBlockCache(f"p{i}", config.capacity_blocks, events))
             for i in range(config.prefill_replicas)
         ]
         self.decode = [
-            _DecodeServer(f"d{i}", LruBlockCache(f"d{i}", config.capacity_blocks, events))
+            DecodeServer(f"d{i}", LruBlockCache(f"d{i}", config.capacity_blocks, events))
             for i in range(config.decode_replicas)
         ]
-        self._servers: dict[str, _PrefillServer] = {s.replica_id: s for s in [*self.prefill, *self.decode]}
+        self._servers: dict[str, PrefillServer] = {s.replica_id: s for s in [*self.prefill, *self.decode]}
         self.routers = [_Router(i, p, self._load_tracker()) for i, p in enumerate(policies)]
         # Which router each request reaches (a stream of its own: the session order's is not disturbed).
         self._router_rng = random.Random(f"routers/{config.seed}")
@@ -330,6 +335,8 @@ class Simulator:
                     self._decode_check(server)
             elif kind == _SYNC:
                 self._sync_routers()
+            elif kind == _TIMER:
+                payload()
             else:
                 self._start_next_session(payload)
         if self.window_end is None:
@@ -390,6 +397,72 @@ class Simulator:
         )
         return _Job(r, route, rec)
 
+    # -- membership (bench/replay/autoscaler.py) ---------------------------------------------------------
+    def at(self, t: float, callback: Callable[[], None]) -> None:
+        """Run `callback` at virtual time `t`."""
+        self._at(t, _TIMER, callback)
+
+    def pending(self) -> bool:
+        """Whether anything is left to happen (a timer that reschedules itself stops when nothing is)."""
+        return bool(self._heap)
+
+    def add_replica(self, role: str) -> PrefillServer:
+        """A replica that starts now: routers see it only once `make_routable` (its start is done)."""
+        servers: list[Any] = self.prefill if role == "prefill" else self.decode
+        rid = f"{role[0]}{len(servers)}"
+        cache = LruBlockCache(rid, self.cfg.capacity_blocks, self._events)
+        server = PrefillServer(rid, cache) if role == "prefill" else DecodeServer(rid, cache)
+        server.started = self.now
+        if isinstance(server, DecodeServer):
+            server.last_advance = self.now
+        servers.append(server)
+        self._servers[rid] = server
+        return server
+
+    def make_routable(self, server: PrefillServer) -> None:
+        for router in self.routers:
+            router.load.add_replica(server.replica_id, _role(server), node_id=server.replica_id)
+
+    def drain(self, server: PrefillServer) -> None:
+        """Routers stop sending to the replica; what it holds runs to its end."""
+        for router in self.routers:
+            if server.replica_id in {v.replica_id for v in router.load.views(_role(server))}:
+                router.load.set_draining(server.replica_id, True)
+
+    def idle(self, server: PrefillServer) -> bool:
+        busy = server.running is not None or bool(server.queue)
+        return not busy and not (isinstance(server, DecodeServer) and server.remaining)
+
+    def retire(self, server: PrefillServer) -> None:
+        """A drained (or still starting) replica stops: routers forget it, and so does the KV index."""
+        server.stopped = self.now
+        for router in self.routers:
+            router.load.remove_replica(server.replica_id)
+        self._events.on_removed(server.replica_id, server.cache.lru_order())
+
+    def replica_load(self, server: PrefillServer) -> ReplicaLoad:
+        """What the replica would report to its pool's autoscaling policy (engine/replica.py): the routers'
+        queued prefill seconds on it, whether it has work, and the engine's KV usage, sequences and step."""
+        queued = sum(
+            d.queued_prefill_s
+            for router in self.routers
+            if (d := router.load.dispatched().get(server.replica_id)) is not None
+        )
+        if not isinstance(server, DecodeServer):
+            busy = server.running is not None or bool(server.queue)
+            return ReplicaLoad(queued_prefill_s=queued, busy=float(busy))
+        cap = self.cfg.capacity_blocks
+        used = server.context_tokens + server.cache.pinned_blocks * self.block_tokens
+        running = len(server.remaining)
+        return ReplicaLoad(
+            queued_prefill_s=queued,
+            busy=float(running > 0 or server.running is not None),
+            kv_usage=0.0 if cap is None else min(1.0, used / (cap * self.block_tokens)),
+            running=running,
+            waiting=len(server.queue),
+            step_s=self._tpot(server) if running else 0.0,
+        )
+
     # -- routing -----------------------------------------------------------------------------------------
     def _sync_routers(self) -> None:
         """Every router publishes its work in flight and reads the others' (the registry's poll)."""
@@ -405,7 +478,7 @@ class Simulator:
             return self.routers[0]
         return self.routers[self._router_rng.randrange(len(self.routers))]
 
-    def _report_kv_usage(self, server: _DecodeServer) -> None:
+    def _report_kv_usage(self, server: DecodeServer) -> None:
         cap = self.cfg.capacity_blocks
         # Pinned blocks are allocated, not free: the engine counts them as used.
         used = server.context_tokens + server.cache.pinned_blocks * self.block_tokens
@@ -439,7 +512,7 @@ class Simulator:
         rec.prefill_replica = decision.prefill
         if decision.readback_export and decision.readback_replica is not None:
             source = self._servers[decision.readback_replica]
-            assert isinstance(source, _DecodeServer)
+            assert isinstance(source, DecodeServer)
             self._export(job, source, decision.predicted_cached_tokens // self.block_tokens)
             job.ready_at = self.now + self._tpot(source)
         self._enqueue(job)
@@ -452,7 +525,7 @@ class Simulator:
         if server.running is None:
             self._start_prefill(server)
 
-    def _export(self, job: _Job, server: _DecodeServer, blocks: int) -> None:
+    def _export(self, job: _Job, server: DecodeServer, blocks: int) -> None:
         """The decode replica pins the prompt's first `blocks` blocks (all in its cache) for the prefill."""
         ttl = self.cfg.readback_ttl_s
         assert ttl is not None
@@ -486,7 +559,7 @@ class Simulator:
         pin = _Pin(server.replica_id, prompt, self.now + ttl)
         self._pins[job.trace_req.session_id] = pin
         heapq.heappush(self._pin_expiry, (pin.expires, id(pin), pin))
-        assert isinstance(server, _DecodeServer)
+        assert isinstance(server, DecodeServer)
         self._report_kv_usage(server)
 
     def _unpin(self, pin: _Pin) -> None:
@@ -495,7 +568,7 @@ class Simulator:
         pin.live = False
         server = self._servers[pin.replica]
         server.cache.unpin(pin.prompt)
-        assert isinstance(server, _DecodeServer)
+        assert isinstance(server, DecodeServer)
         self._report_kv_usage(server)
 
     def _expire_pins(self) -> None:
@@ -503,7 +576,7 @@ class Simulator:
             self._unpin(heapq.heappop(self._pin_expiry)[2])
 
     # -- prefill -----------------------------------------------------------------------------------------
-    def _start_prefill(self, server: _PrefillServer) -> None:
+    def _start_prefill(self, server: PrefillServer) -> None:
         if server.running is not None or not server.queue:
             return
         if server.queue[0].ready_at > self.now:
@@ -514,7 +587,7 @@ class Simulator:
         job = server.queue.popleft()
         server.running = job
         rec = job.rec
-        on_decode = isinstance(server, _DecodeServer)
+        on_decode = isinstance(server, DecodeServer)
         hits = server.cache.access(job.trace_req.block_hashes, pin=on_decode)
         job.pinned = on_decode
         n = job.route.num_prompt_tokens
@@ -539,7 +612,7 @@ class Simulator:
         new_tokens = n - cached_tokens
         slower_prefill, slower_step = self.timing.contention(self._others(server))
         prefill_s = self.timing.prefill_s(new_tokens, cached_tokens) * slower_prefill
-        if isinstance(server, _DecodeServer):
+        if isinstance(server, DecodeServer):
             # Chunked between the batch's decode steps, which go on one token per (slower) mixed step.
             self._advance_decode(server)
             batch, context = len(server.remaining), server.context_tokens
@@ -568,37 +641,37 @@ class Simulator:
         server.busy.append((self.now, self.now + duration))
         self._at(self.now + duration, _PREFILL_DONE, server)
 
-    def _prefill_done(self, server: _PrefillServer) -> None:
+    def _prefill_done(self, server: PrefillServer) -> None:
         job = server.running
         assert job is not None and job.decision is not None and job.router is not None
         server.running = None
         job.router.load.on_prefill_done(job.route.request_id)
-        if isinstance(server, _DecodeServer):
+        if isinstance(server, DecodeServer):
             self._advance_decode(server)  # at the mixed rate, until now
             server.mixed_step_s = None
             self._join_decode(job, server)
         else:
             decode = self._servers[job.decision.decode]
-            assert isinstance(decode, _DecodeServer)
+            assert isinstance(decode, DecodeServer)
             held = decode.cache.prefix_hits(job.trace_req.block_hashes) * self.block_tokens
             tokens = max(0, job.route.num_prompt_tokens - held)
             job.rec.transferred_tokens = tokens
             self._at(self.now + self.timing.transfer_s(tokens), _TRANSFER_DONE, (job, decode))
         self._start_prefill(server)
-        if isinstance(server, _DecodeServer):
+        if isinstance(server, DecodeServer):
             self._reschedule_decode(server)
 
     # -- decode ------------------------------------------------------------------------------------------
-    def _tpot(self, server: _DecodeServer) -> float:
+    def _tpot(self, server: DecodeServer) -> float:
         if server.mixed_step_s is not None:
             return server.mixed_step_s
         step = self.timing.tpot_s(len(server.remaining), server.context_tokens)
         return step * self.timing.contention(self._others(server))[1] if self._contended else step
 
-    def _others(self, server: _PrefillServer) -> int:
+    def _others(self, server: PrefillServer) -> int:
         """Requests in flight on other replicas than `server` (sent and not finished, wherever they are)."""
         own = len(server.queue) + (server.running is not None)
-        if isinstance(server, _DecodeServer):
+        if isinstance(server, DecodeServer):
             own += len(server.remaining)
         return max(0, self.in_flight - own)
 
@@ -614,7 +687,7 @@ class Simulator:
         for server in self.decode:
             self._reschedule_decode(server)
 
-    def _advance_decode(self, server: _DecodeServer) -> None:
+    def _advance_decode(self, server: DecodeServer) -> None:
         """Credit every active sequence with the tokens generated since the last batch change."""
         elapsed = self.now - server.last_advance
         server.last_advance = self.now
@@ -624,7 +697,7 @@ class Simulator:
         for job in server.remaining:
             server.remaining[job] -= done
 
-    def _join_decode(self, job: _Job, server: _DecodeServer) -> None:
+    def _join_decode(self, job: _Job, server: DecodeServer) -> None:
         self._advance_decode(server)
         if job.rec.local_prefill is False:
             # The pulled KV lands in the decode engine's prefix cache, allocated while the sequence runs.
@@ -636,14 +709,14 @@ class Simulator:
         job.rec.first_token = self.now + self._tpot(server)
         self._reschedule_decode(server)
 
-    def _reschedule_decode(self, server: _DecodeServer) -> None:
+    def _reschedule_decode(self, server: DecodeServer) -> None:
         server.version += 1
         if not server.remaining:
             return
         least = min(server.remaining.values())
         self._at(self.now + max(0.0, least) * self._tpot(server), _DECODE_CHECK, (server, server.version))
 
-    def _decode_check(self, server: _DecodeServer) -> None:
+    def _decode_check(self, server: DecodeServer) -> None:
         self._advance_decode(server)
         finished = [j for j, left in server.remaining.items() if left <= 1e-9]
         for job in finished:
@@ -680,5 +753,25 @@ class Simulator:
             out.append(sum(max(0.0, min(e, until) - s) for s, e in self._servers[rid].busy if s < until))
         return out
 
-    def computed_tokens(self, servers: Sequence[_PrefillServer]) -> list[int]:
+    def computed_tokens(self, servers: Sequence[PrefillServer]) -> list[int]:
         return [s.computed_tokens for s in servers]
+
+    def replica_peak(self, servers: Sequence[PrefillServer]) -> int:
+        """The most of these replicas that ran (or started) at once."""
+        edges = sorted(
+            [(s.started, 1) for s in servers] + [(s.stopped, -1) for s in servers if s.stopped is not None],
+            key=lambda e: (e[0], e[1]),
+        )
+        peak = running = 0
+        for _, step in edges:
+            running += step
+            peak = max(peak, running)
+        return peak
+
+    def replica_seconds(self, servers: Sequence[PrefillServer]) -> float:
+        """Seconds the replicas ran, each from its start to its stop or the replay's end."""
+        return sum((self.now if s.stopped is None else s.stopped) - s.started for s in servers)
+
+
+def _role(server: PrefillServer) -> Any:
+    return "decode" if isinstance(server, DecodeServer) else "prefill"

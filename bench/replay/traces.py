@@ -3,10 +3,13 @@
 The traces ship with the project (`bench/data/traces`, xz-compressed; sources and licences in
 `bench/data/README.md`); `--traces-dir` points at another copy laid out the same way, plain, gzip or xz.
 
-Two sources, two shapes:
+Three sources, three shapes:
 - Mooncake `conversation_trace.jsonl`: one request per line, `timestamp` (ms since the trace start),
   `input_length`, `output_length`, `hash_ids` (one id per 512-token block, global across the trace). It
   replays open-loop: each request arrives at its recorded time (divided by a time-scale factor).
+- Azure LLM inference trace 2023, conversation service (`AzureLLMInferenceTrace_conv.csv`): `TIMESTAMP`,
+  `ContextTokens`, `GeneratedTokens`; no prefix information, so every prompt's blocks are its own (no cache
+  hits). Open-loop: the arrival pattern and the lengths are what it gives.
 - Claude Code `sessions/*.json.gz`: one agent session per file, `block_size` 64, `requests[]` with `t`,
   `in`, `out`, `hash_ids`, `api_time`, `think_time`. Ids are local to a session, so identity is namespaced
   by session. It replays closed-loop: a turn is sent when the previous reply finished plus the recorded gap
@@ -26,6 +29,7 @@ cached): a request has `min(len(hash_ids), input_length // trace_block_tokens) /
 
 from __future__ import annotations
 
+import csv
 import gzip
 import json
 import lzma
@@ -33,6 +37,7 @@ import random
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import IO, Literal
 
@@ -40,10 +45,11 @@ import msgspec
 
 from router.block_hash import ROOT_PARENT, hash_blocks
 
-TraceName = Literal["claude-code", "mooncake"]
+TraceName = Literal["claude-code", "mooncake", "azure"]
 
 DEFAULT_TRACES_DIR = Path(__file__).resolve().parents[1] / "data" / "traces"
 MOONCAKE_FILE = "mooncake/conversation_trace.jsonl"
+AZURE_FILE = "azure/AzureLLMInferenceTrace_conv.csv"
 CLAUDE_CODE_SESSIONS = "claude-code/sessions"
 # A trace file may be stored plain or compressed: the loaders take the first of these that exists.
 _COMPRESSIONS = ("", ".xz", ".gz")
@@ -174,6 +180,8 @@ def trace_files(name: TraceName, traces_dir: Path) -> Path:
     """The file (Mooncake) or folder of sessions (Claude Code) a trace is read from, for reports."""
     if name == "mooncake":
         return find_trace_file(traces_dir / MOONCAKE_FILE)
+    if name == "azure":
+        return find_trace_file(traces_dir / AZURE_FILE)
     return traces_dir / CLAUDE_CODE_SESSIONS
 
 
@@ -218,6 +226,51 @@ def load_mooncake(
             sessions.append(Session(session_id=rid, requests=(req,)))
     return Trace(
         name="mooncake", closed_loop=False, block_tokens=block_tokens, sessions=tuple(sessions), hasher=hasher
+    )
+
+
+def load_azure(
+    path: Path,
+    *,
+    block_tokens: int = 512,
+    max_requests: int | None = None,
+    copies: int = 1,
+    seed: int = 0,
+) -> Trace:
+    """The first `max_requests` requests of the Azure conversation trace (arrival order), one session each;
+    arrival times from the first request's.
+
+    `copies` > 1 raises the rate without compressing the clock (which would compress the hour's seasons
+    too): the trace plays `copies` times at once, each copy but the first shifted by its own seeded offset
+    within a minute (the timescale of an autoscaler's decisions, so the minutes' rates are kept)."""
+    rng = random.Random(seed)
+    shifts = [0.0] + [rng.uniform(0.0, 60.0) for _ in range(copies - 1)]
+    hasher = BlockHasher(block_tokens, 1)
+    sessions: list[Session] = []
+    start: datetime | None = None
+    with _open_text(find_trace_file(path)) as f:
+        for i, row in enumerate(csv.DictReader(f)):
+            if max_requests is not None and i >= max_requests:
+                break
+            at = datetime.fromisoformat(row["TIMESTAMP"][:26])  # the file gives 100 ns, Python takes 1 us
+            start = start or at
+            prompt = int(row["ContextTokens"])
+            blocks = prompt // block_tokens
+            for copy, shift in enumerate(shifts):
+                rid = f"az-{i}" if copy == 0 else f"az-{i}.{copy}"
+                req = TraceRequest(
+                    request_id=rid,
+                    session_id=rid,
+                    arrival_s=(at - start).total_seconds() + shift,
+                    gap_s=0.0,
+                    num_prompt_tokens=prompt,
+                    num_output_tokens=max(1, int(row["GeneratedTokens"])),
+                    # No prefix information: blocks of the request's own namespace, never shared.
+                    block_hashes=hasher.hashes(list(range(blocks)), blocks, len(sessions) + 1),
+                )
+                sessions.append(Session(session_id=rid, requests=(req,)))
+    return Trace(
+        name="azure", closed_loop=False, block_tokens=block_tokens, sessions=tuple(sessions), hasher=hasher
     )
 
 
@@ -302,13 +355,15 @@ def load_trace(
     limit: int | None = None,
     seed: int | None = None,
 ) -> Trace:
-    """`limit`: sessions (Claude Code) or requests (Mooncake)."""
+    """`limit`: sessions (Claude Code) or requests (Mooncake, Azure)."""
     if name == "mooncake":
         return load_mooncake(
             traces_dir / MOONCAKE_FILE,
             block_tokens=block_tokens,
             max_requests=limit,
         )
+    if name == "azure":
+        return load_azure(traces_dir / AZURE_FILE, block_tokens=block_tokens, max_requests=limit)
     return load_claude_code(
         traces_dir / CLAUDE_CODE_SESSIONS, block_tokens=block_tokens, max_sessions=limit, seed=seed
     )

@@ -321,7 +321,14 @@ class GetClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Replica(_message.Message):
-    __slots__ = ("replica_id", "role", "state", "node_id", "running_requests", "waiting_requests", "kv_cache_usage", "prompt_tokens_computed", "prompt_tokens_local_cache_hit", "prompt_tokens_external_kv", "nixl_bytes_transferred", "requests_finished", "spec_drafts", "spec_draft_tokens", "spec_accepted_tokens")
+    __slots__ = ("replica_id", "role", "state", "node_id", "running_requests", "waiting_requests", "kv_cache_usage", "prompt_tokens_computed", "prompt_tokens_local_cache_hit", "prompt_tokens_external_kv", "nixl_bytes_transferred", "requests_finished", "spec_drafts", "spec_draft_tokens", "spec_accepted_tokens", "start_phases_s")
+    class StartPhasesSEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -337,6 +344,7 @@ class Replica(_message.Message):
     SPEC_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     SPEC_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    START_PHASES_S_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     role: str
     state: str
@@ -352,7 +360,8 @@ class Replica(_message.Message):
     spec_drafts: int
     spec_draft_tokens: int
     spec_accepted_tokens: int
-    def __init__(self, replica_id: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[str] = ..., node_id: _Optional[str] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prompt_tokens_computed: _Optional[int] = ..., prompt_tokens_local_cache_hit: _Optional[int] = ..., prompt_tokens_external_kv: _Optional[int] = ..., nixl_bytes_transferred: _Optional[int] = ..., requests_finished: _Optional[int] = ..., spec_drafts: _Optional[int] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ...) -> None: ...
+    start_phases_s: _containers.ScalarMap[str, float]
+    def __init__(self, replica_id: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[str] = ..., node_id: _Optional[str] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prompt_tokens_computed: _Optional[int] = ..., prompt_tokens_local_cache_hit: _Optional[int] = ..., prompt_tokens_external_kv: _Optional[int] = ..., nixl_bytes_transferred: _Optional[int] = ..., requests_finished: _Optional[int] = ..., spec_drafts: _Optional[int] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., start_phases_s: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class Router(_message.Message):
     __slots__ = ("router_id", "node_id", "grpc_address", "metrics_address", "serving", "inflight_requests", "answering")

@@ -28,7 +28,7 @@ from cluster.serve_config import compile_serve_config
 from cluster.topology_file import parse_topology
 from engine.messages import ReplicaLoad
 
-PREFILL = ScaleTargets(role="prefill", queue_s=0.5)
+PREFILL = ScaleTargets(role="prefill", queue_s=0.5, ttft_s=2.0)
 DECODE = ScaleTargets(role="decode", kv_usage=0.8, running_seqs=6, tpot_s=0.05)
 
 
@@ -51,20 +51,25 @@ def topology(**decode: Any) -> Any:
 
 def test_targets_come_from_the_slos_and_the_engine_limits() -> None:
     topo = topology()
-    assert scale_targets(topo, "prefill").queue_s == pytest.approx(0.2)  # 0.1 x 2 s
+    prefill = scale_targets(topo, "prefill")
+    assert (prefill.queue_s, prefill.ttft_s) == (pytest.approx(0.2), 2.0)  # 0.1 x 2 s
     decode = scale_targets(topo, "decode")
-    assert (decode.running_seqs, decode.tpot_s, decode.kv_usage, decode.warm_replicas) == (6, 0.04, 0.8, 1)
+    # Sequences: as many as a replica runs at once (engine.max_num_seqs); beyond, they wait.
+    assert (decode.running_seqs, decode.tpot_s, decode.kv_usage, decode.warm_replicas) == (8, 0.04, 0.8, 1)
     assert scale_targets(topology(running_seqs=3), "decode").running_seqs == 3
 
 
-def test_prefill_needs_what_its_queue_and_its_busy_share_say() -> None:
-    # 1.5 s queued over replicas that may each hold 0.5 s: 3 replicas.
-    loads = [ReplicaLoad(queued_prefill_s=1.0, busy=1.0), ReplicaLoad(queued_prefill_s=0.5, busy=1.0)]
-    assert needed_replicas(PREFILL, loads) == pytest.approx(3.0)
-    # No queue to speak of, but both busy all the time: short of headroom.
-    busy = [ReplicaLoad(queued_prefill_s=0.01, busy=1.0)] * 2
+def test_prefill_needs_its_busy_replicas_with_headroom_and_what_drains_its_queue() -> None:
+    # Both busy all the time, the queue within each one's share: short of headroom only.
+    busy = [ReplicaLoad(queued_prefill_s=0.4, busy=1.0, start_s=8.0)] * 2
     assert needed_replicas(PREFILL, busy) == pytest.approx(2 / BUSY_TARGET)
     assert wanted_replicas(PREFILL, busy) == 3
+    # 21 s queued where each may hold 0.5 s: the 20 s beyond drain within the TTFT SLO after a new
+    # replica's start (2 + 8 s), which takes two more.
+    queued = [ReplicaLoad(queued_prefill_s=10.5, busy=1.0, start_s=8.0)] * 2
+    assert needed_replicas(PREFILL, queued) == pytest.approx(2 / BUSY_TARGET + 20 / 10)
+    # Half busy, no queue: one replica is enough.
+    assert wanted_replicas(PREFILL, [ReplicaLoad(busy=0.45)] * 2) == 1
     assert wanted_replicas(PREFILL, [ReplicaLoad(), ReplicaLoad()]) == 0  # idle: the bounds keep the minimum
 
 
@@ -118,9 +123,9 @@ def test_serve_runs_the_policy_at_once_up_and_after_the_delay_down() -> None:
     def seqs(n: float) -> dict[str, dict[ReplicaID, float]]:
         return {"running": {a: n, b: n}, "step_s": {a: 0.02, b: 0.02}}
 
-    # 2 x 20 sequences / 6 a replica = 7 (+1 warm), at once (Serve then caps it at max_replicas).
+    # 2 x 20 sequences / 8 a replica = 5 (+1 warm), at once.
     wanted, state = policy(_context(seqs(20), [a, b], config=config))
-    assert wanted == 8 and state["pdserve_need"] == pytest.approx(40 / 6, abs=1e-3)
+    assert wanted == 6 and state["pdserve_need"] == pytest.approx(5.0)
     # Quiet: 1 sequence each needs 1 replica (+1 warm), but only after downscale_delay_s of it.
     wanted, state = policy(_context(seqs(1), [a, b], config=config, target=6))
     assert wanted == 6

@@ -92,10 +92,14 @@ async def test_rows_carry_the_dashboards_names_nodes_gpus_and_load(env: Env) -> 
         "ACTOR",
         "RUN/WAIT",
         "KV",
+        "START",
     ]
     for row in status.replicas:
         line = next(line for line in table if line.startswith(row.replica_id))
         assert row.actor_name in line and str(row.placement_group_id) in line and row.node_id[:12] in line
+        # Its start, phase by phase: the process to the constructor (actor), then the engine's.
+        assert list(row.start_phases) == ["actor", "engine_other"] and row.start_phases["actor"] > 0
+        assert "s (actor " in line
 
 
 async def test_cli_status_json_reads_the_running_cluster(

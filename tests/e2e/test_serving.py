@@ -137,6 +137,19 @@ def test_decode_engine_pulls_the_prompt_kv_instead_of_recomputing_it(client: Pds
     assert moved / len(prompt) == kv_bytes_per_token(element_bytes=4)
 
 
+def test_each_replica_reports_its_starts_phases_and_decode_its_first_nixl_handshake(
+    client: PdserveClient,
+) -> None:
+    # After the KV pull above: the decode engine has shaken hands with the prefill engine.
+    time.sleep(2.5)  # a heartbeat after it
+    for role in ("prefill", "decode"):
+        phases = dict(replica(client, role).start_phases_s)
+        print(role, {p: round(s, 2) for p, s in phases.items()})
+        assert {"actor", "weights", "engine_init", "compile", "engine_other"} <= set(phases), phases
+        assert all(s >= 0 for s in phases.values()) and phases["weights"] > 0 and phases["engine_init"] > 0
+    assert dict(replica(client, "decode").start_phases_s)["nixl_handshake"] > 0
+
+
 def test_a_long_generation_streams_in_several_messages(client: PdserveClient) -> None:
     arrivals: list[tuple[float, int, bool]] = []
     for message in client.generate(

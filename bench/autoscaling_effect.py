@@ -1,0 +1,172 @@
+"""`python -m bench.autoscaling_effect`: fixed replica counts against the pools' autoscaling, by the replay of
+the Azure conversation trace (an hour of a real chat service's arrivals), on a topology's hardware and model.
+
+Each deployment replays the same requests with pdserve's routing: the fixed one at `--prefill`/`--decode`
+replicas throughout; the autoscaled ones start there, and the policy Serve's controller runs
+(cluster/autoscaling.py, the topology's `pools.*.autoscaling`, or its defaults up to twice the fixed counts)
+decides every two seconds on the simulated replicas' loads; a replica it starts takes `--start-s` before its
+first request. Side by side: the share of requests within the SLO (TTFT and TPOT), goodput, replica-hours and
+GPU-hours, and the replica counts the autoscaler went through; once per warm buffer (`--warm`).
+
+The trace's hour is kept: `--copies N` plays it N times at once (copies shifted within a minute) to bring its
+rate to what a cluster of such replicas serves (bench/replay/traces.py `load_azure`).
+
+    python -m bench.autoscaling_effect [-f deploy/h200-kimi-k2.yaml] [--copies 16] [--prefill 4 --decode 2]
+        [--start-s 180] [--warm 0,1] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import msgspec
+
+from bench.plan import Planner
+from bench.replay.autoscaler import PoolScaling
+from bench.replay.runner import replay_policy
+from bench.replay.traces import AZURE_FILE, DEFAULT_TRACES_DIR, Trace, load_azure
+from bench.slo import Slo
+from cluster.autoscaling import scale_targets
+from cluster.topology import Autoscaling, Topology
+from cluster.topology_file import load_topology
+
+H200_EXAMPLE = Path(__file__).resolve().parents[1] / "deploy" / "h200-kimi-k2.yaml"
+TICK_S = 2.0  # the replicas' metrics push at the default 10 s window (cluster/autoscaling.py: window / 5)
+
+
+@dataclass(frozen=True)
+class Row:
+    deployment: str
+    slo_share: float
+    goodput_rps: float
+    ttft_p99_s: float
+    tpot_p99_s: float
+    prefill_replica_h: float
+    decode_replica_h: float
+    gpu_h: float
+    prefill_counts: str  # the fixed count, or the autoscaled pool's start and peak
+    decode_counts: str
+
+
+def pool_scaling(topo: Topology, role: str, fixed: int, warm: int, start_s: float) -> PoolScaling:
+    """The pool's autoscaling as the topology sets it (its warm buffer replaced by `warm`), or the
+    defaults from 1 to twice the fixed count."""
+    pool = getattr(topo.pools, role)
+    scaling = pool.autoscaling or Autoscaling(max_replicas=2 * fixed)
+    scaling = msgspec.structs.replace(scaling, warm_replicas=warm)
+    pools = msgspec.structs.replace(
+        topo.pools, **{role: msgspec.structs.replace(pool, replicas=fixed, autoscaling=scaling)}
+    )
+    targets = scale_targets(msgspec.structs.replace(topo, pools=pools), role)  # type: ignore[arg-type]
+    return PoolScaling(
+        role=role,
+        targets=targets,
+        min_replicas=scaling.min_replicas,
+        max_replicas=scaling.max_replicas,
+        window_s=scaling.window_s,
+        downscale_delay_s=scaling.downscale_delay_s,
+        start_s=start_s,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("-f", "--topology", type=Path, default=H200_EXAMPLE)
+    p.add_argument("--copies", type=int, default=16, help="the trace played this many times at once")
+    p.add_argument("--requests", type=int, default=None, help="first N requests of the trace (default all)")
+    p.add_argument("--prefill", type=int, default=4, help="the fixed deployment's prefill replicas")
+    p.add_argument("--decode", type=int, default=2, help="the fixed deployment's decode replicas")
+    p.add_argument("--start-s", type=float, default=180.0, help="a replica's start, to its first request")
+    p.add_argument("--warm", default="0,1", help="warm buffers to replay, comma-separated")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    topo = load_topology(args.topology)
+    trace = load_azure(DEFAULT_TRACES_DIR / AZURE_FILE, copies=args.copies, max_requests=args.requests)
+    slo = Slo(ttft_s=topo.router.ttft_slo_ms / 1e3, tpot_s=topo.router.tpot_slo_ms / 1e3)
+    planner = Planner(trace, topo, slo, {"time_scale": 1.0}, 0.0)
+    cfg = msgspec.structs.replace(planner.base, prefill_replicas=args.prefill, decode_replicas=args.decode)
+    gpus = {role: float(pool.gpus_per_replica) for role, pool in topo.pools.items()}
+    print(
+        f"Azure conversation trace x{args.copies} ({trace.num_requests()} requests over an hour), "
+        f"{args.topology.name}; SLO TTFT {slo.ttft_s:g} s, TPOT {1e3 * slo.tpot_s:g} ms; a replica starts in "
+        f"{args.start_s:g} s",
+        flush=True,
+    )
+    runs: list[tuple[str, list[PoolScaling]]] = [(f"fixed {args.prefill}P + {args.decode}D", [])]
+    for warm in (int(w) for w in args.warm.split(",")):
+        pools = [
+            pool_scaling(topo, "prefill", args.prefill, warm, args.start_s),
+            pool_scaling(topo, "decode", args.decode, warm, args.start_s),
+        ]
+        runs.append((f"autoscaled, warm {warm}", pools))
+    rows = []
+    for name, pools in runs:
+        result, _ = replay_policy(
+            trace, name, planner.factory, cfg, planner.bound, slo=slo, autoscaling=pools, tick_s=TICK_S
+        )
+        first = {"prefill": args.prefill, "decode": args.decode}
+        peak = {"prefill": result.prefill_replicas_peak, "decode": result.decode_replicas_peak}
+        counts = {
+            role: f"{first[role]}, peak {peak[role]}" if pools else str(first[role])
+            for role in ("prefill", "decode")
+        }
+        row = Row(
+            deployment=name,
+            slo_share=result.goodput_share,
+            goodput_rps=result.goodput_rps,
+            ttft_p99_s=result.ttft_p99_s,
+            tpot_p99_s=result.tpot_p99_s,
+            prefill_replica_h=result.prefill_replica_s / 3600,
+            decode_replica_h=result.decode_replica_s / 3600,
+            gpu_h=(result.prefill_replica_s * gpus["prefill"] + result.decode_replica_s * gpus["decode"])
+            / 3600,
+            prefill_counts=counts["prefill"],
+            decode_counts=counts["decode"],
+        )
+        rows.append(row)
+        print(f"  {name}: done in {result.wall_s:.0f} s", flush=True)
+    print(format_rows(rows))
+    bound = {
+        role: per_minute_bound(trace, n) for role, n in (("prefill", args.prefill), ("decode", args.decode))
+    }
+    print(
+        f"A per-minute oracle (each minute the fixed count x that minute's arrivals / the busiest minute's,"
+        f" rounded up, started instantly) would run {bound['prefill']:.2f}x the fixed prefill and"
+        f" {bound['decode']:.2f}x the fixed decode replica-hours."
+    )
+    if args.json is not None:
+        args.json.write_text(json.dumps({"rows": [asdict(r) for r in rows], "oracle": bound}, indent=2))
+    return 0
+
+
+def per_minute_bound(trace: Trace, fixed: int) -> float:
+    """The replica-hours of scaling each minute to its arrivals, as a share of `fixed` replicas' (a floor for
+    any autoscaler whose replicas serve as the fixed ones do at the peak)."""
+    minutes = Counter(int(r.arrival_s // 60) for r in trace.requests())
+    peak = max(minutes.values())
+    counts = [minutes.get(m, 0) for m in range(max(minutes) + 1)]
+    return sum(math.ceil(fixed * c / peak) for c in counts) / (fixed * len(counts))
+
+
+def format_rows(rows: list[Row]) -> str:
+    base = rows[0]
+    head = (
+        "| deployment | within SLO | goodput req/s | TTFT p99 | TPOT p99 | prefill replica-h"
+        " | decode replica-h | GPU-h | vs fixed |\n|---|---|---|---|---|---|---|---|---|\n"
+    )
+    return head + "".join(
+        f"| {r.deployment} | {r.slo_share:.3f} | {r.goodput_rps:.1f} | {r.ttft_p99_s:.2f} s |"
+        f" {1e3 * r.tpot_p99_s:.1f} ms | {r.prefill_replica_h:.2f} ({r.prefill_counts}) |"
+        f" {r.decode_replica_h:.2f} ({r.decode_counts}) | {r.gpu_h:.0f} | {r.gpu_h / base.gpu_h:.2f}x |\n"
+        for r in rows
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
