@@ -34,10 +34,9 @@ from engine.messages import ReplicaLoad, Role
 
 # The share of the window a prefill replica may be busy: short of it even with a short queue, it has no room
 # for the next burst.
-BUSY_TARGET = float(__import__("os").environ.get("BT", "0.9"))
+BUSY_TARGET = 0.9
 QUEUE_SHARE_OF_TTFT = 0.25
 KV_USAGE = 0.8
-RUNNING_SEQS_SHARE = 1.0  # of engine.max_num_seqs, when the topology sets it
 POLICY_IMPORT_PATH = "cluster.autoscaling:PoolPolicy"
 
 
@@ -59,9 +58,8 @@ def scale_targets(topo: Topology, role: Role) -> ScaleTargets:
     if scaling is None:
         raise ValueError(f"pools.{role} has no autoscaling")
     share = scaling.queue_share_of_ttft or QUEUE_SHARE_OF_TTFT
-    seqs: float | None = scaling.running_seqs
-    if seqs is None and pool.engine.max_num_seqs is not None:
-        seqs = RUNNING_SEQS_SHARE * pool.engine.max_num_seqs
+    # Sequences: by default as many as a replica runs at once; beyond them, they wait (and count as waiting).
+    seqs = scaling.running_seqs or pool.engine.max_num_seqs
     return ScaleTargets(
         role=role,
         warm_replicas=scaling.warm_replicas,

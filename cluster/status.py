@@ -314,6 +314,6 @@ def _start(phases: dict[str, float]) -> str:
     """The start's total and its phases, e.g. `41.2s (actor 3.1, weights 20.4, ...)`."""
     if not phases:
         return "-"
-    total = sum(s for p, s in phases.items() if p != "nixl_handshake")
+    total = start_phases.start_s(phases)
     ordered = [p for p in start_phases.ORDER if p in phases]  # gRPC's map has no order
     return f"{total:.1f}s (" + ", ".join(f"{p} {phases[p]:.1f}" for p in ordered) + ")"

@@ -14,12 +14,12 @@ import ray
 from opentelemetry.trace import Tracer
 from ray import serve
 
+from engine import start_phases
 from engine.double import DoubleEngineHost
 from engine.host import EngineHost
 from engine.leg_server import Handler, LegServer
 from engine.messages import DispatchedLoad, EngineStats, LegKind, ReplicaInfo, ReplicaLoad
 from engine.spec import spec_from_env
-from engine.start_phases import process_age_s
 from engine.token_sender import TokenSender
 from engine.tracing import otlp_tracer
 
@@ -44,7 +44,8 @@ class EngineReplica:
     # Serve awaits async constructors; the replica is routed to only once this returns. The spec comes from
     # the replica's environment, not an init argument: see engine/spec.py for why.
     async def __init__(self) -> None:  # type: ignore[misc]
-        self._actor_s = process_age_s()  # Ray started the process, Serve the actor: the first phase
+        # Ray started the process, Serve the actor: the start's first phase.
+        self._actor_s = start_phases.process_age_s()
         spec = spec_from_env()
         context = serve.get_replica_context()
         self._registry = serve.get_deployment_handle("registry", context.app_name)
@@ -116,8 +117,7 @@ class EngineReplica:
             running=stats.running,
             waiting=stats.waiting,
             step_s=stats.step_s,
-            start_s=self._actor_s
-            + sum(s for phase, s in self.host.start_phases.items() if phase != "nixl_handshake"),
+            start_s=self._actor_s + start_phases.start_s(self.host.start_phases),
         )
         return msgspec.structs.asdict(load)
 

@@ -49,6 +49,11 @@ def read(path: Path) -> dict[str, float]:
     return {p: phases[p] for p in ORDER if p in phases}
 
 
+def start_s(phases: dict[str, float]) -> float:
+    """The whole start: every phase but the handshake, which comes later, at the first transfer."""
+    return sum(s for phase, s in phases.items() if phase != "nixl_handshake")
+
+
 def engine_phases(recorded: dict[str, float], engine_s: float) -> dict[str, float]:
     """The engine's phases from what vLLM's processes recorded and the engine's whole start: engine_init
     less its compile, and what no phase covers as engine_other."""

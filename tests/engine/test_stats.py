@@ -3,6 +3,9 @@ Prometheus logger of vLLM's own, whose per-token histograms nobody in a replica 
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
 from vllm.config import VllmConfig
 from vllm.v1.metrics.loggers import PrometheusStatLogger, StatLoggerManager
 
@@ -39,3 +42,20 @@ def test_speculative_decoding_stats_add_up_step_by_step() -> None:
     assert (counters.spec_drafts, counters.spec_draft_tokens, counters.spec_accepted_tokens) == (3, 10, 5)
     counters.record(SchedulerStats(), None)  # a step without speculation changes nothing
     assert counters.spec_drafts == 3
+
+
+def test_step_time_is_the_smoothed_interval_between_steps_while_sequences_run(monkeypatch: Any) -> None:
+    from vllm.v1.metrics.stats import SchedulerStats
+
+    clock = iter([0.0, 0.010, 0.020, 0.050, 0.060])
+    monkeypatch.setattr("engine.stats.time.monotonic", lambda: next(clock))
+    counters = EngineCounters()
+    counters.record(SchedulerStats(num_running_reqs=2), None)  # 0.00: idle before: no interval yet
+    assert counters.step_s == 0.0
+    counters.record(SchedulerStats(num_running_reqs=2), None)  # 0.01: a 10 ms step
+    assert counters.step_s == pytest.approx(0.010)
+    counters.record(SchedulerStats(num_running_reqs=0), None)  # 0.02: another
+    counters.record(SchedulerStats(num_running_reqs=2), None)  # 0.05: idle since 0.02: not a step
+    assert counters.step_s == pytest.approx(0.010)
+    counters.record(SchedulerStats(num_running_reqs=2), None)  # 0.06: 10 ms again
+    assert counters.step_s == pytest.approx(0.010)
