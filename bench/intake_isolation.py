@@ -14,9 +14,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import statistics
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 
@@ -43,38 +45,78 @@ class Refusals:
     unexpected: list[str] = field(default_factory=list)
 
 
-async def short_ttft(client: AsyncPdserveClient) -> float:
-    began = time.perf_counter()
+async def short_ttft(client: AsyncPdserveClient) -> tuple[float, float]:
+    """One short request: when it was sent (wall clock, comparable across processes) and its TTFT."""
+    sent, began = time.time(), time.perf_counter()
     async for response in client.generate(prompt="hello there", max_tokens=2, ignore_eos=True, timeout=60):
         if response.token_ids:
-            return time.perf_counter() - began
+            return sent, time.perf_counter() - began
     raise RuntimeError("a short request ended without a token")
 
 
-async def grpc_over_long(target: str, text: str, out: Refusals, stop: asyncio.Event) -> None:
-    async with AsyncPdserveClient(target) as client:
-        while not stop.is_set():
-            began = time.perf_counter()
-            try:
-                async for _ in client.generate(prompt=text, max_tokens=8, timeout=120):
-                    pass
-                out.unexpected.append("grpc: accepted")
-            except PdserveError as exc:
-                out.seconds.append(time.perf_counter() - began)
-                if "at least" not in str(exc) and "tokens" not in str(exc):
-                    out.unexpected.append(f"grpc: {exc}")
+async def grpc_refusal(client: AsyncPdserveClient, text: str, out: Refusals) -> None:
+    began = time.perf_counter()
+    try:
+        async for _ in client.generate(prompt=text, max_tokens=8, timeout=120):
+            pass
+        out.unexpected.append("grpc: accepted")
+    except PdserveError as exc:
+        out.seconds.append(time.perf_counter() - began)
+        if "at least" not in str(exc) and "tokens" not in str(exc):
+            out.unexpected.append(f"grpc: {exc}")
 
 
-async def http_over_long(url: str, text: str, out: Refusals, stop: asyncio.Event) -> None:
+async def http_refusal(http: httpx.AsyncClient, url: str, body: bytes, out: Refusals) -> None:
+    began = time.perf_counter()
+    response = await http.post(url, content=body, headers={"content-type": "application/json"})
+    out.seconds.append(time.perf_counter() - began)
+    if response.status_code != 400:
+        out.unexpected.append(f"http {response.status_code}: {response.text[:200]}")
+
+
+def _send_over_long(
+    grpc_target: str, http_url: str, text: str, senders: int, burst: bool, stop: Any, results: Any
+) -> None:
+    """The over-long senders, in their own process, until `stop`: `senders` clients per door back to back, or
+    (`burst`) that many per door sent together, again 0.25 s after the last is refused. Puts the refusals and
+    the bursts' (start, end) wall-clock windows on `results`."""
     body = json.dumps({"messages": [{"role": "user", "content": text}], "max_tokens": 8}).encode()
-    headers = {"content-type": "application/json"}
-    async with httpx.AsyncClient(timeout=120) as http:
-        while not stop.is_set():
-            began = time.perf_counter()
-            response = await http.post(url, content=body, headers=headers)
-            out.seconds.append(time.perf_counter() - began)
-            if response.status_code != 400:
-                out.unexpected.append(f"http {response.status_code}: {response.text[:200]}")
+
+    async def send() -> tuple[Refusals, Refusals, list[tuple[float, float]]]:
+        grpc_refusals, http_refusals, windows = Refusals(), Refusals(), []
+        clients = [AsyncPdserveClient(grpc_target) for _ in range(senders)]
+        https = [httpx.AsyncClient(timeout=120) for _ in range(senders)]
+
+        async def back_to_back(coro: Any) -> None:
+            while not stop.is_set():
+                await coro()
+
+        try:
+            if burst:
+                while not stop.is_set():
+                    began = time.time()
+                    await asyncio.gather(
+                        *(grpc_refusal(c, text, grpc_refusals) for c in clients),
+                        *(http_refusal(h, http_url, body, http_refusals) for h in https),
+                    )
+                    windows.append((began, time.time()))
+                    await asyncio.sleep(0.25)
+            else:
+                await asyncio.gather(
+                    *(back_to_back(lambda c=c: grpc_refusal(c, text, grpc_refusals)) for c in clients),
+                    *(
+                        back_to_back(lambda h=h: http_refusal(h, http_url, body, http_refusals))
+                        for h in https
+                    ),
+                )
+        finally:
+            for c in clients:
+                await c.close()
+            for h in https:
+                await h.aclose()
+        return grpc_refusals, http_refusals, windows
+
+    results.put(asyncio.run(send()))
 
 
 def _ms(values: list[float], q: float) -> str:
@@ -84,61 +126,74 @@ def _ms(values: list[float], q: float) -> str:
     return f"{ordered[min(int(q * len(ordered)), len(ordered) - 1)] * 1e3:.0f}"
 
 
-async def run(grpc_target: str, http_url: str, *, shorts: int, senders: int) -> int:
+async def run(grpc_target: str, http_url: str, *, shorts: int, senders: int, burst: bool) -> int:
     # The gRPC message holds the prompt as protobuf; the HTTP body as JSON (ASCII text: the same bytes).
     text = long_text(MAX_REQUEST_BYTES - _ROOM)
     async with AsyncPdserveClient(grpc_target) as client:
         for _ in range(3):  # warm-up
             await short_ttft(client)
-        idle = [await short_ttft(client) for _ in range(shorts)]
-        grpc_refusals, http_refusals = Refusals(), Refusals()
-        stop = asyncio.Event()
-        load = [
-            *(
-                asyncio.create_task(grpc_over_long(grpc_target, text, grpc_refusals, stop))
-                for _ in range(senders)
-            ),
-            *(
-                asyncio.create_task(http_over_long(http_url, text, http_refusals, stop))
-                for _ in range(senders)
-            ),
-        ]
-        await asyncio.sleep(0.2)  # the first over-long prompts are in
-        loaded = [await short_ttft(client) for _ in range(shorts)]
-        stop.set()
-        await asyncio.gather(*load)
+        idle = [ttft for _, ttft in [await short_ttft(client) for _ in range(shorts)]]
+        # The senders run in a process of their own, as other clients would: sharing this event loop, their
+        # 4 MB writes would delay the short requests' own client and be counted as the router's.
+        ctx = multiprocessing.get_context("spawn")
+        stop, results = ctx.Event(), ctx.SimpleQueue()
+        sender = ctx.Process(
+            target=_send_over_long, args=(grpc_target, http_url, text, senders, burst, stop, results)
+        )
+        sender.start()
+        timed: list[tuple[float, float]] = []
+        try:
+            await asyncio.sleep(2.0)  # the sender process is up and its first over-long prompts are in
+            # In bursts only the short requests that overlap one count: more are sent to get `shorts` of them.
+            for _ in range(shorts * (8 if burst else 1)):
+                timed.append(await short_ttft(client))
+                await asyncio.sleep(0.01 if burst else 0)
+        finally:
+            stop.set()
+        grpc_refusals, http_refusals, windows = await asyncio.to_thread(results.get)
+        sender.join(30)
+    if burst:
+        # A short request counts when it was sent during a burst (between its first send and last refusal).
+        loaded = [ttft for sent, ttft in timed if any(a <= sent <= b for a, b in windows)]
+        how = f"{2 * senders} at once ({senders} per door), {len(windows)} bursts"
+    else:
+        loaded = [ttft for _, ttft in timed]
+        how = f"{senders} senders per door, back to back"
     idle_p50 = statistics.median(idle)
-    print(f"\nover-long prompts: {len(text) / 1e6:.1f} MB of text, {senders} senders per door, back to back")
+    print(f"\nover-long prompts: {len(text) / 1e6:.1f} MB of text, {how}")
     print(f"{'':<34} {'p50 ms':>7} {'p90 ms':>7} {'max ms':>7} {'n':>5}")
-    print(
-        f"{'short request TTFT, idle':<34} {_ms(idle, 0.5):>7} {_ms(idle, 0.9):>7} {_ms(idle, 1):>7}"
-        f" {len(idle):5d}"
-    )
-    print(
-        f"{'short request TTFT, under load':<34} {_ms(loaded, 0.5):>7} {_ms(loaded, 0.9):>7}"
-        f" {_ms(loaded, 1):>7} {len(loaded):5d}"
-    )
+    for name, values in (("short request TTFT, idle", idle), ("short request TTFT, under load", loaded)):
+        print(f"{name:<34} {_ms(values, 0.5):>7} {_ms(values, 0.9):>7} {_ms(values, 1):>7} {len(values):5d}")
     for name, refusals in (("gRPC", grpc_refusals), ("HTTP", http_refusals)):
         s = refusals.seconds
         print(f"{'refusal, ' + name:<34} {_ms(s, 0.5):>7} {_ms(s, 0.9):>7} {_ms(s, 1):>7} {len(s):5d}")
-    print(f"\nshort TTFT under load / idle, p50: {statistics.median(loaded) / idle_p50:.2f}x")
+    if loaded:
+        print(f"\nshort TTFT under load / idle, p50: {statistics.median(loaded) / idle_p50:.2f}x")
     unexpected = grpc_refusals.unexpected + http_refusals.unexpected
     for line in unexpected[:5]:
         print("unexpected:", line)
-    return 1 if unexpected else 0
+    return 1 if unexpected or not loaded else 0
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shorts", type=int, default=40, help="short requests, idle and under load each")
-    ap.add_argument("--senders", type=int, default=4, help="clients sending over-long prompts, per door")
+    ap.add_argument("--senders", type=int, default=2, help="clients sending over-long prompts, per door")
+    ap.add_argument(
+        "--back-to-back",
+        action="store_true",
+        help="each sender sends its next over-long prompt as soon as the last is refused (default: bursts, "
+        "every sender's prompt at once, again 0.25 s after the last refusal)",
+    )
     args = ap.parse_args(argv)
     (http_port,) = free_ports(1)
     overrides = {**PDSERVE_SYSTEMS["doubles"], "server.http_port": http_port}
     print("starting doubles with the HTTP door ...", flush=True)
     with pdserve(LOCAL_TOPOLOGY, overrides) as target:
         url = f"http://127.0.0.1:{http_port}/v1/chat/completions"
-        return asyncio.run(run(target, url, shorts=args.shorts, senders=args.senders))
+        return asyncio.run(
+            run(target, url, shorts=args.shorts, senders=args.senders, burst=not args.back_to_back)
+        )
 
 
 if __name__ == "__main__":
