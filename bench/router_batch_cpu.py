@@ -1,11 +1,12 @@
-"""The router's CPU per streamed batch, alone: the real gRPC door and request path (intake, decision, legs,
-token channel, output, metrics) in one process, fed by a STAND-IN decode replica that streams fixed batches
-over the real token channel as fast as the router reads them; the clients in another process. It measures the
-router's own per-batch work (and grpcio's), which the side-by-side on a real engine (`bench.token_path_cpu`)
-cannot resolve on a noisy 2-core machine.
+"""The router's CPU per streamed batch, alone: the real gRPC door (or `--door http`: the OpenAI door's SSE)
+and request path (intake, decision, legs, token channel, output, metrics) in one process, fed by a STAND-IN
+decode replica that streams fixed batches over the real token channel as fast as the router reads them; the
+clients in another process. It measures the router's own per-batch work (and grpcio's), which the
+side-by-side on a real engine (`bench.token_path_cpu`) cannot resolve on a noisy 2-core machine.
 
     .venv/bin/python -m bench.router_batch_cpu                   # the working tree
     .venv/bin/python -m bench.router_batch_cpu --rev d5829cb     # an earlier revision and the tree, in turn
+    .venv/bin/python -m bench.router_batch_cpu --door http       # streamed chat completions on the HTTP door
 
 Each measurement is a fresh process importing the router of the revision measured; printed: its CPU seconds
 (gRPC's threads included; the stand-in's streaming too, the same in both) per streamed batch.
@@ -31,8 +32,9 @@ CLIENTS = 16
 HERE = Path(__file__).resolve()  # run by path: a revision measured may not have this module
 
 
-async def _serve_and_measure(port: int, requests: int, batches: int, tokens: int) -> float:
-    """The router on `port`, driven by a client process; its CPU seconds over the measured requests."""
+async def _serve_and_measure(port: int, requests: int, batches: int, tokens: int, door: str) -> float:
+    """The router on `port` (its `door`: grpc or http), driven by a client process; its CPU seconds over the
+    measured requests."""
     from grpc_health.v1 import health_pb2
 
     from engine.messages import ClusterState, EngineRequest, ReplicaInfo, ReplyTo, TokenBatch
@@ -124,34 +126,52 @@ async def _serve_and_measure(port: int, requests: int, batches: int, tokens: int
         raise RuntimeError("not served here")
 
     service = PdserveService(path, block_size=32, cluster_status=no_status)
-    server, health = await start_grpc_server(service, host="127.0.0.1", port=port)
-    await health.set("", health_pb2.HealthCheckResponse.SERVING)
+    if door == "http":
+        from router.doors.openai_http import HttpServer, build_app
+
+        app = build_app(path, served_name="tiny-llama", max_model_len=2048, serving=lambda: True)
+        http = HttpServer(app, "127.0.0.1", port)
+        await http.start()
+    else:
+        server, health = await start_grpc_server(service, host="127.0.0.1", port=port)
+        await health.set("", health_pb2.HealthCheckResponse.SERVING)
     clients = await asyncio.create_subprocess_exec(
-        sys.executable, str(HERE), "--clients", str(port), str(requests), stdout=asyncio.subprocess.PIPE
+        sys.executable, str(HERE), "--clients", str(port), str(requests), door, stdout=asyncio.subprocess.PIPE
     )
     assert clients.stdout is not None
     await clients.stdout.readline()  # the clients' warm-up is done
     began = time.process_time()
     await clients.wait()
     spent = time.process_time() - began
-    await server.stop(grace=None)
+    if door == "http":
+        await http.stop()
+    else:
+        await server.stop(grace=None)
     if clients.returncode != 0:
         raise RuntimeError(f"the clients failed ({clients.returncode})")
     return spent
 
 
-async def _clients(port: int, requests: int) -> None:
+async def _clients(port: int, requests: int, door: str) -> None:
     """CLIENTS concurrent streams, `requests` in all, after one request each as a warm-up."""
     import grpc
+    import httpx
 
     from pdserve_client.api import pdserve_pb2 as pb
     from pdserve_client.api import pdserve_pb2_grpc as pb_grpc
 
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel, httpx.AsyncClient() as http:
         stub = pb_grpc.PdserveStub(channel)
         request = pb.GenerateRequest(prompt="hello there " * 20, sampling=pb.SamplingParams(max_tokens=1024))
+        body = {"prompt": "hello there " * 20, "max_tokens": 1024, "stream": True}
+        url = f"http://127.0.0.1:{port}/v1/completions"
 
         async def one() -> None:
+            if door == "http":
+                async with http.stream("POST", url, json=body, timeout=60) as response:
+                    async for _ in response.aiter_lines():
+                        pass
+                return
             async for _ in stub.Generate(request):
                 pass
 
@@ -173,7 +193,7 @@ def _measure(tree: Path, args: argparse.Namespace) -> float:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     command = [sys.executable, str(HERE), "--router", str(port)]
-    command += [str(args.requests), str(args.batches), str(args.tokens)]
+    command += [str(args.requests), str(args.batches), str(args.tokens), args.door]
     env = {**os.environ, "PYTHONPATH": str(tree)}  # that revision's router, not the installed tree's
     out = subprocess.run(command, cwd=tree, env=env, check=True, capture_output=True, text=True).stdout
     spent: float = json.loads(out.strip().splitlines()[-1])["cpu_s"]
@@ -184,10 +204,11 @@ def main(argv: list[str] | None = None) -> int:
     if argv is None and len(sys.argv) > 1 and sys.argv[1] in ("--router", "--clients"):
         role, *rest = sys.argv[1:]
         if role == "--clients":
-            asyncio.run(_clients(int(rest[0]), int(rest[1])))
+            asyncio.run(_clients(int(rest[0]), int(rest[1]), rest[2]))
         else:
-            port, requests, batches, tokens = map(int, rest)
-            print(json.dumps({"cpu_s": asyncio.run(_serve_and_measure(port, requests, batches, tokens))}))
+            port, requests, batches, tokens = map(int, rest[:4])
+            spent = asyncio.run(_serve_and_measure(port, requests, batches, tokens, rest[4]))
+            print(json.dumps({"cpu_s": spent}))
         return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rev", default=None, help="an earlier revision, measured in turn with the working tree")
@@ -195,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=400)
     ap.add_argument("--batches", type=int, default=64, help="streamed batches per request")
     ap.add_argument("--tokens", type=int, default=2, help="tokens per batch")
+    ap.add_argument(
+        "--door", choices=["grpc", "http"], default="grpc", help="the door the clients stream from"
+    )
     args = ap.parse_args(argv)
     from bench.revision import REPO, extract
 
@@ -208,7 +232,10 @@ def main(argv: list[str] | None = None) -> int:
             for name, tree in trees.items():
                 per_batch[name].append(_measure(tree, args))
                 print(f"{name:<12} {per_batch[name][-1] * 1e6:6.1f} µs/batch", flush=True)
-    print(f"\n{CLIENTS} clients, {args.requests} requests x {args.batches} batches x {args.tokens} tokens:")
+    print(
+        f"\n{args.door} door, {CLIENTS} clients, {args.requests} requests x {args.batches} batches"
+        f" x {args.tokens} tokens:"
+    )
     for name, xs in per_batch.items():
         med = statistics.median(xs)
         print(f"{name:<12} median {med * 1e6:6.1f} µs/batch, {med / args.tokens * 1e6:6.1f} µs/token "

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import grpc
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
@@ -62,15 +62,8 @@ def build_app(
 ) -> FastAPI:
     """The door's FastAPI app. `serving`: whether a decode replica can take requests (for /health)."""
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
-    token = BearerToken(auth_token) if auth_token else None
-
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next: Any) -> Response:
-        public = request.url.path == "/health"
-        if token is not None and not public and not token.allows(request.headers.get("authorization", "")):
-            return _error(401, "missing or invalid bearer token", "authentication_error")
-        response: Response = await call_next(request)
-        return response
+    if auth_token:
+        app.add_middleware(_RequireToken, token=BearerToken(auth_token))
 
     @app.get("/health")
     async def health() -> Response:
@@ -104,13 +97,13 @@ async def _serve(
     output: type[Output],
 ) -> Response:
     try:
-        body = json.loads(await _body(http))
+        body = msgspec.json.decode(await _body(http))
         req = model.model_validate(body)
         refuse_unsupported(req)
         request = convert(req)
     except _TooLarge as exc:
         return _error(413, str(exc))
-    except json.JSONDecodeError as exc:
+    except msgspec.DecodeError as exc:
         return _error(400, f"the body is not JSON: {exc}")
     except ValidationError as exc:
         problem = exc.errors()[0]
@@ -143,6 +136,24 @@ async def _serve(
     return StreamingResponse(_sse(out, first, events), media_type="text/event-stream")
 
 
+class _RequireToken:
+    """Refuses every path but /health without the bearer token. Plain ASGI: Starlette's `BaseHTTPMiddleware`
+    would relay every body chunk and every streamed SSE event through a memory stream of its own."""
+
+    def __init__(self, app: Any, token: BearerToken) -> None:
+        self.app = app
+        self.token = token
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health":
+            sent = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
+            if not self.token.allows(sent):
+                response = _error(401, "missing or invalid bearer token", "authentication_error")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 class _TooLarge(Exception):
     pass
 
@@ -164,17 +175,21 @@ async def _body(http: Request) -> bytes:
 
 async def _sse(
     out: Output, first: OutputDelta | Finished, rest: AsyncIterator[OutputDelta | Finished]
-) -> AsyncIterator[str]:
+) -> AsyncIterator[bytes]:
     try:
         for chunk in out.chunks(first):
-            yield f"data: {json.dumps(chunk)}\n\n"
+            yield _event(chunk)
         async for event in rest:
             for chunk in out.chunks(event):
-                yield f"data: {json.dumps(chunk)}\n\n"
+                yield _event(chunk)
     except RequestFailed as exc:
         # The status line went out with the first chunk: the error travels as an event, as vLLM sends it.
-        yield f"data: {json.dumps(_error_body(exc.message, _error_type(_STATUS.get(exc.code, 500))))}\n\n"
-    yield "data: [DONE]\n\n"
+        yield _event(_error_body(exc.message, _error_type(_STATUS.get(exc.code, 500))))
+    yield b"data: [DONE]\n\n"
+
+
+def _event(chunk: dict[str, Any]) -> bytes:
+    return b"data: " + msgspec.json.encode(chunk) + b"\n\n"
 
 
 def _error_type(status: int) -> str:

@@ -22,3 +22,15 @@ def test_it_measures_the_tree_and_an_earlier_revision_in_turn() -> None:
     assert [line.split()[0] for line in medians] == ["HEAD", "tree"]
     assert all(float(line.split()[2]) > 0 for line in medians)  # µs per batch, measured
     assert lines[-1].startswith("tree / HEAD: ")
+
+
+def test_it_measures_the_http_door() -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "bench.router_batch_cpu", "--door", "http", "--pairs", "1",
+         "--requests", "16", "--batches", "4"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "http door, 16 clients" in run.stdout
+    (median,) = [line for line in run.stdout.splitlines() if "median" in line]
+    assert float(median.split()[2]) > 0
