@@ -177,14 +177,17 @@ class DoubleEngineHost:
                 cached = await self._compute_prompt(prompt)
             ids: list[int] = []
             seq = _Sequence(prompt)
-            batch_started = time.monotonic()
+            batch_started = step_at = time.monotonic()
             for position in range(req.sampling.max_tokens):
                 if req.request_id in self._aborted:
                     self._aborted.discard(req.request_id)
                     yield self._last_batch(ids, "abort", len(prompt), cached)
                     return
                 if position:  # the first token comes with the prompt's forward pass
-                    await asyncio.sleep(self.timing.decode_s_per_token)
+                    # Steps keep the engine's cadence: a token the replica's event loop delayed does not
+                    # push back the ones after it (an engine core steps in a process of its own).
+                    step_at += self.timing.decode_s_per_token
+                    await asyncio.sleep(max(0.0, step_at - time.monotonic()))
                 if not ids:
                     batch_started = time.monotonic()
                 ids.append(seq.next_token())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
@@ -49,6 +50,13 @@ def request(
     )
 
 
+async def aenumerate(batches: AsyncIterator[TokenBatch]) -> AsyncIterator[tuple[int, TokenBatch]]:
+    i = 0
+    async for batch in batches:
+        yield i, batch
+        i += 1
+
+
 async def collect(h: DoubleEngineHost, req: EngineRequest) -> list[TokenBatch]:
     return [b async for b in h.generate(req)]
 
@@ -84,6 +92,18 @@ async def test_streams_take_time_per_token() -> None:
     started = time.monotonic()
     await collect(h, request([1, 2, 3], max_tokens=21))
     assert time.monotonic() - started >= 0.2  # 20 decode steps after the first token
+
+
+async def test_a_busy_event_loop_delays_tokens_but_not_the_steps_after_them() -> None:
+    """Steps keep the engine's cadence, as an engine core stepping in its own process does: a consumer that
+    blocks the loop for 5 steps' time delays the next token, not every one after it."""
+    h = host(timing=DoubleTiming(decode_s_per_token=0.02))
+    started = time.monotonic()
+    async for i, _ in aenumerate(h.generate(request([1, 2, 3], max_tokens=11))):
+        if i == 1:
+            time.sleep(0.1)  # noqa: ASYNC251 (on purpose: the replica's loop busy elsewhere, once)
+    elapsed = time.monotonic() - started
+    assert 0.2 <= elapsed < 0.27  # 10 steps; relative sleeps would have made it 0.3 s or more
 
 
 async def test_prefill_hands_off_kv_params_that_let_decode_skip_the_prompt() -> None:
