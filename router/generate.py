@@ -28,7 +28,7 @@ from router.decision.decider import Decider
 from router.errors import ClientNotReading, NoReplicaError, Overloaded, RequestFailed
 from router.intake.prompt import PromptIntake
 from router.legs.orchestrator import Orchestrator
-from router.messages import Finished, OutputDelta
+from router.messages import Finished, OutputDelta, ParsedDelta
 from router.metrics import RouterMetrics
 from router.request.lifecycle import RequestLifecycle
 
@@ -86,21 +86,28 @@ class GeneratePath:
                 tracer=self._tracer,
             ) as lifecycle:
                 lifecycle.admit()
+                last = OutputDelta(token_ids=[], parsed=ParsedDelta())  # until the last batch comes
                 async for event in self._legs.serve(lifecycle):
                     if isinstance(event, TokenBatch):
                         lifecycle.tokens(len(event.token_ids))
                         parsed = output.feed(event.token_ids, event.text)
-                        yield OutputDelta(
+                        delta = OutputDelta(
                             token_ids=event.token_ids, parsed=parsed, logprobs=event.logprobs or []
                         )
+                        if event.finish_reason is None:
+                            yield delta
+                        else:  # the last batch: the summary follows at once, and one message carries both
+                            last = delta
                         continue
                     lifecycle.turn_done(event)
                     rest = output.finish()  # before the reason: it tells whether the model called tools
                     called = output.tools_called and event.finish_reason == "stop"
                     yield Finished(
-                        parsed=rest,
+                        parsed=last.parsed.then(rest),
                         finish_reason="tool_calls" if called else event.finish_reason,
                         completion=event,
+                        token_ids=last.token_ids,
+                        logprobs=last.logprobs,
                     )
         except (Overloaded, ClientNotReading) as exc:
             code = grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -216,6 +216,14 @@ class ParsedDelta(msgspec.Struct, kw_only=True):
     reasoning: str = ""
     tool_calls: list[ToolCallDelta] = msgspec.field(default_factory=list)
 
+    def then(self, later: ParsedDelta) -> ParsedDelta:
+        """This delta followed by `later`, as one."""
+        return ParsedDelta(
+            content=self.content + later.content,
+            reasoning=self.reasoning + later.reasoning,
+            tool_calls=self.tool_calls + later.tool_calls,
+        )
+
 
 class OutputDelta(msgspec.Struct, kw_only=True):
     """One streamed batch as the doors send it: its token ids (and logprobs), parsed for the agent."""
@@ -226,9 +234,12 @@ class OutputDelta(msgspec.Struct, kw_only=True):
 
 
 class Finished(msgspec.Struct, kw_only=True):
-    """The end of a stream: what the parser held back, the finish reason as the client sees it
-    ("tool_calls" when the model called tools), and the legs' summary."""
+    """The end of a stream: the last batch's tokens (they ride in the final message rather than in one of
+    their own), what the parser held back, the finish reason as the client sees it ("tool_calls" when the
+    model called tools), and the legs' summary."""
 
     parsed: ParsedDelta
     finish_reason: str
     completion: RequestSummary
+    token_ids: list[int] = []
+    logprobs: list[TokenLogprob] = []

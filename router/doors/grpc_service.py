@@ -101,9 +101,8 @@ async def _abort_internal(context: grpc.aio.ServicerContext, method: str, exc: E
 
 
 def _response(request_id: str, event: OutputDelta | Finished) -> pb.GenerateResponse:
-    if isinstance(event, Finished):
-        return _message(request_id, event.parsed, final=_final(event.completion, event.finish_reason))
-    return _message(request_id, event.parsed, token_ids=event.token_ids, logprobs=event.logprobs)
+    final = _final(event.completion, event.finish_reason) if isinstance(event, Finished) else None
+    return _message(request_id, event.parsed, event.token_ids, final, event.logprobs)
 
 
 def _message(

@@ -216,9 +216,8 @@ class Output:
             call["function"]["arguments"] += d.arguments
         if isinstance(event, Finished):
             self.finished = event
-        else:
-            self.token_ids.extend(event.token_ids)
-            self.logprobs.extend(event.logprobs)
+        self.token_ids.extend(event.token_ids)
+        self.logprobs.extend(event.logprobs)
 
     def usage(self) -> dict[str, Any]:
         assert self.finished is not None
@@ -265,8 +264,7 @@ class Output:
         """The SSE chunks for one event: its choice delta (if it has any), the usage at the end."""
         fields, has_content = self.piece(event.parsed)
         self.add(event)
-        token_ids = event.token_ids if isinstance(event, OutputDelta) else []
-        logprobs = event.logprobs if isinstance(event, OutputDelta) else []
+        token_ids, logprobs = event.token_ids, event.logprobs
         out = []
         if has_content or self.finished is not None or (self.return_token_ids and token_ids):
             choice = {

@@ -217,9 +217,14 @@ class Orchestrator:
                 if batch.finish_reason is None:
                     yield batch
                     continue
-                # The last batch: stream its tokens, then the summary.
+                # The last batch (its finish reason set), then the summary at once.
                 stage("stream", first_at, time.monotonic())
-                yield TokenBatch(token_ids=batch.token_ids, text=batch.text, logprobs=batch.logprobs)
+                yield TokenBatch(
+                    token_ids=batch.token_ids,
+                    text=batch.text,
+                    logprobs=batch.logprobs,
+                    finish_reason=batch.finish_reason,
+                )
                 yield RequestSummary(
                     finish_reason=batch.finish_reason,
                     stop_reason=batch.stop_reason,
