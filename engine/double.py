@@ -25,7 +25,6 @@ What it models, and what not:
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import math
 import time
 from collections import OrderedDict
@@ -40,6 +39,7 @@ from engine.spec import EngineSpec
 VOCAB_SIZE = 2048
 _FIRST_ORDINARY_TOKEN = 3
 _DEFAULT_MAX_NUM_SEQS = 256
+_ROOT = 0x646F75626C65  # any constant: the hash chains' start
 
 
 @dataclass(frozen=True)
@@ -50,18 +50,23 @@ class DoubleTiming:
 
 
 class _Sequence:
-    """A sequence's running hash: the next token is a function of every id so far, and nothing else."""
+    """A sequence's running hash: the next token is a function of every id so far, and nothing else.
+
+    CPython's hash of a tuple of ints does not depend on PYTHONHASHSEED, so every replica computes the same
+    tokens; it is chained one id at a time, so a prompt extended by k tokens continues as the k-th state."""
 
     def __init__(self, token_ids: list[int]) -> None:
-        self._hash = hashlib.blake2b(digest_size=8)
+        self._state = _ROOT
         self.extend(token_ids)
 
     def extend(self, token_ids: list[int]) -> None:
-        self._hash.update("".join(f"{t}," for t in token_ids).encode())
+        state = self._state
+        for t in token_ids:
+            state = hash((state, t))
+        self._state = state
 
     def next_token(self) -> int:
-        value = int.from_bytes(self._hash.copy().digest(), "little")
-        token = _FIRST_ORDINARY_TOKEN + value % (VOCAB_SIZE - _FIRST_ORDINARY_TOKEN)
+        token = _FIRST_ORDINARY_TOKEN + self._state % (VOCAB_SIZE - _FIRST_ORDINARY_TOKEN)
         self.extend([token])
         return token
 
@@ -78,13 +83,13 @@ class _PrefixCache:
     def __init__(self, block_size: int, capacity_blocks: int) -> None:
         self._block_size = block_size
         self._capacity = capacity_blocks
-        self._blocks: OrderedDict[bytes, None] = OrderedDict()
+        self._blocks: OrderedDict[int, None] = OrderedDict()
 
-    def _keys(self, prompt: list[int]) -> list[bytes]:
-        keys, running = [], hashlib.blake2b(digest_size=16)
-        for end in range(self._block_size, len(prompt) + 1, self._block_size):
-            running.update(",".join(map(str, prompt[end - self._block_size : end])).encode() + b";")
-            keys.append(running.copy().digest())
+    def _keys(self, prompt: list[int]) -> list[int]:
+        keys, running, bs = [], _ROOT, self._block_size
+        for end in range(bs, len(prompt) + 1, bs):
+            running = hash((running, *prompt[end - bs : end]))
+            keys.append(running)
         return keys
 
     def lookup_and_insert(self, prompt: list[int]) -> int:
