@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -17,6 +16,7 @@ from engine.messages import (
     EngineRequest,
     ReplicaFailed,
     Sampling,
+    StreamBatch,
     TokenBatch,
     TokenLogprob,
 )
@@ -40,7 +40,8 @@ class DecodeEngine(EngineHost):
 
     async def generate(self, req: EngineRequest) -> AsyncIterator[TokenBatch]:
         """Generate and stream tokens in batches: the first token at once (TTFT), then by count or
-        time, whichever comes first. Cancelling the iterator aborts the request in the engine."""
+        time, whichever comes first (engine.host.BatchedOutputs gathers them). Cancelling the iterator
+        aborts the request in the engine."""
         kv = req.kv_transfer_params
         if kv and kv.get("do_remote_prefill") and not self._hand(str(kv.get("remote_request_id", ""))):
             # Released already (the router gave this request up, then it arrived anyway): the prefill
@@ -48,25 +49,19 @@ class DecodeEngine(EngineHost):
             log.warning("%s: its prefill KV was released; computing the prompt locally", req.request_id)
             kv = None
         params = self._sampling_params(req.sampling, kv)
-        max_batch, max_wait = (1, 0.0) if req.stream is None else (req.stream.tokens, req.stream.ms / 1e3)
-        ids: list[int] = []
-        text: list[str] = []
-        first_sent = False
-        batch_started = time.monotonic()
         want_logprobs = req.sampling.logprobs
-        logprobs: list[TokenLogprob] | None = [] if want_logprobs is not None else None
-        async for out in self._outputs(req, params):
+        async for out in self._outputs(req, params, req.stream or StreamBatch(tokens=1, ms=0.0)):
             completion = out.outputs[0]
-            if not ids:
-                batch_started = time.monotonic()
-            ids.extend(completion.token_ids)
-            text.append(completion.text)
-            if logprobs is not None and want_logprobs is not None:
-                logprobs += _logprobs(completion.token_ids, completion.logprobs or [], want_logprobs)
+            ids = list(completion.token_ids)
+            logprobs = (
+                None
+                if want_logprobs is None
+                else _logprobs(completion.token_ids, completion.logprobs or [], want_logprobs)
+            )
             if out.finished:
                 yield TokenBatch(
                     token_ids=ids,
-                    text="".join(text),
+                    text=completion.text,
                     logprobs=logprobs,
                     finish_reason="length" if completion.finish_reason == "length" else "stop",
                     stop_reason=completion.stop_reason if isinstance(completion.stop_reason, str) else None,
@@ -78,15 +73,10 @@ class DecodeEngine(EngineHost):
                     pinned_kv=out.kv_transfer_params or None,
                 )
                 return
-            if ids and (
-                not first_sent or len(ids) >= max_batch or time.monotonic() - batch_started >= max_wait
-            ):
+            if ids:
                 yield TokenBatch(
-                    token_ids=ids, text="".join(text), replica_id=self.replica_id, logprobs=logprobs
+                    token_ids=ids, text=completion.text, replica_id=self.replica_id, logprobs=logprobs
                 )
-                first_sent = True
-                ids, text = [], []
-                logprobs = [] if logprobs is not None else None
         raise RuntimeError(f"engine stream for {req.request_id} ended without a finished output")
 
     async def export(self, req: EngineRequest) -> dict[str, Any] | None:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from engine import start_phases
+from engine.batched_outputs import stream_in_batches
 from engine.gpu_stats import GpuReader
 from engine.messages import (
     Constraint,
@@ -27,6 +28,7 @@ from engine.messages import (
     ReplicaFailed,
     ReplicaInfo,
     Sampling,
+    StreamBatch,
 )
 from engine.model_source import resolve_model_dir
 from engine.spec import EngineSpec
@@ -246,10 +248,13 @@ class EngineHost:
             raise RuntimeError(f"{req.request_id} produced no output")
         return final
 
-    async def _outputs(self, req: EngineRequest, params: Any) -> AsyncGenerator[Any, None]:
+    async def _outputs(
+        self, req: EngineRequest, params: Any, batch: StreamBatch | None = None
+    ) -> AsyncGenerator[Any, None]:
         """vLLM's outputs for one request; an engine that died or hung raises ReplicaFailed, which the router
         answers by moving the request to another replica. Closing or cancelling it aborts the request in the
-        engine (vLLM's generate does on its way out)."""
+        engine (vLLM's generate does on its way out). With `batch`, each output is a streamed batch: the
+        engine steps' outputs merged until the batch is due (engine/batched_outputs.py)."""
         from vllm.v1.engine.exceptions import EngineDeadError
 
         if (reason := self.failure()) is not None:
@@ -257,11 +262,11 @@ class EngineHost:
         if self._inflight == 0:
             self._busy_since = time.monotonic()
         self._inflight += 1
-        outputs = self._llm.generate(
-            {"prompt_token_ids": req.prompt_token_ids},
-            params,
-            request_id=req.request_id,
-            trace_headers=req.trace_context,  # vLLM's own spans join the request's trace
+        prompt = {"prompt_token_ids": req.prompt_token_ids}  # trace_headers: vLLM's spans join the trace
+        outputs = (
+            self._llm.generate(prompt, params, request_id=req.request_id, trace_headers=req.trace_context)
+            if batch is None
+            else stream_in_batches(self._llm, req, prompt, params, batch)
         )
         try:
             # No race against the watchdog per step: a hung engine's streams are failed by `failure`.

@@ -8,8 +8,9 @@ from typing import Any
 import pytest
 from replicas import tiny_spec
 
+from engine.batched_outputs import BatchedOutputs
 from engine.host import EngineHost, free_ports
-from engine.messages import EngineRequest, ReplicaFailed, Sampling
+from engine.messages import EngineRequest, ReplicaFailed, Sampling, StreamBatch
 
 
 def test_an_engine_hosts_ports_are_distinct_and_free() -> None:
@@ -108,3 +109,97 @@ async def test_closing_a_stream_closes_vllms_at_once_which_aborts_the_request() 
     await first
     await outputs.aclose()
     assert llm.closed == ["r2"] and host._inflight == 0 and host.failure() is None
+
+
+def _output(ids: list[int], finished: bool = False) -> Any:
+    from vllm.outputs import CompletionOutput, RequestOutput
+
+    text = "".join(f" t{i}" for i in ids)
+    completion = CompletionOutput(
+        index=0, text=text, token_ids=ids, cumulative_logprob=None, logprobs=None, finish_reason=None
+    )
+    return RequestOutput("r", None, [1, 2], None, [completion], finished)
+
+
+async def _taken(outputs: BatchedOutputs) -> Any:
+    return await asyncio.wait_for(outputs.get(), 1.0)
+
+
+async def test_batched_outputs_wake_the_reader_once_per_batch_with_the_steps_merged() -> None:
+    """The first token at once, then `max_tokens` tokens (or the wait, or the end) per wake-up: the engine
+    steps in between are merged into one delta, as vLLM's own collector merges for a lagging reader."""
+    outputs = BatchedOutputs(max_tokens=3, max_wait_s=60.0)
+    outputs.put(_output([5]))
+    first = await _taken(outputs)
+    assert first.outputs[0].token_ids == [5]
+    outputs.put(_output([6]))
+    outputs.put(_output([7]))
+    reader = asyncio.ensure_future(outputs.get())
+    await asyncio.sleep(0.01)
+    assert not reader.done()  # two tokens pending: no batch yet
+    outputs.put(_output([8]))
+    batch = await asyncio.wait_for(reader, 1.0)
+    assert (list(batch.outputs[0].token_ids), batch.outputs[0].text) == ([6, 7, 8], " t6 t7 t8")
+    outputs.put(_output([9]))
+    outputs.put(_output([10], finished=True))  # the end is due at once
+    last = await _taken(outputs)
+    assert list(last.outputs[0].token_ids) == [9, 10] and last.finished
+
+
+async def test_batched_outputs_are_due_after_the_wait_and_an_error_at_once() -> None:
+    outputs = BatchedOutputs(max_tokens=100, max_wait_s=0.02)
+    outputs.put(_output([]))  # an empty delta (e.g. before a pulled prompt's first token) is not the first
+    assert (await _taken(outputs)).outputs[0].token_ids == []
+    outputs.put(_output([5]))
+    assert (await _taken(outputs)).outputs[0].token_ids == [5]
+    outputs.put(_output([6]))
+    await asyncio.sleep(0.03)
+    outputs.put(_output([7]))  # the wait passed since this batch's first token
+    assert list((await _taken(outputs)).outputs[0].token_ids) == [6, 7]
+    outputs.put(_output([8]))
+    outputs.put(RuntimeError("engine dead"))
+    outputs.put(_output([9]))  # after the error: dropped
+    with pytest.raises(RuntimeError, match="engine dead"):
+        await _taken(outputs)
+
+
+class _StandInBatchingLLM(_StandInLLM):
+    """`add_request` as vLLM's: registers the request's collector with the output processor, whose
+    `request_states[id].queue.put` the engine's steps then call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.request_states: dict[str, Any] = {}
+        self.aborted: list[str] = []
+
+    async def add_request(self, request_id: str, prompt: object, params: object, **_: object) -> Any:
+        from vllm.sampling_params import RequestOutputKind
+        from vllm.v1.engine.output_processor import RequestOutputCollector
+
+        queue = RequestOutputCollector(RequestOutputKind.DELTA, request_id + "-internal")
+        self.request_states[queue.request_id] = type("State", (), {"queue": queue})()
+        queue.put(_output([5]))  # a step's output came while the request was being added
+        return queue
+
+    def step(self, ids: list[int], finished: bool = False) -> None:
+        for state in self.request_states.values():
+            state.queue.put(_output(ids, finished))
+
+    async def abort(self, request_id: str, internal: bool = False) -> None:
+        self.aborted.append(request_id)
+
+
+async def test_a_batched_stream_takes_the_requests_outputs_and_aborts_it_when_given_up() -> None:
+    spec = tiny_spec("decode", engine="vllm", hang_timeout_s=30)
+    host = EngineHost(spec, replica_id="d1", node_id="n1", node_ip="127.0.0.1")
+    host._llm = llm = _StandInBatchingLLM()
+    request = EngineRequest(request_id="r3", prompt_token_ids=[1], sampling=Sampling())
+    outputs = host._outputs(request, None, StreamBatch(tokens=2, ms=60_000.0))
+    first = await anext(outputs)
+    assert list(first.outputs[0].token_ids) == [5]  # put before the handover, not lost
+    llm.step([6])
+    llm.step([7])
+    assert list((await anext(outputs)).outputs[0].token_ids) == [6, 7]
+    llm.step([8])
+    await outputs.aclose()  # the client went away mid-batch
+    assert llm.aborted == ["r3-internal"] and host._inflight == 0
