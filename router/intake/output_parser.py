@@ -112,17 +112,19 @@ class OutputParser:
     def feed(self, token_ids: Sequence[int], text: str) -> ParsedDelta:
         """The parsed meaning of one more batch of output."""
         out = ParsedDelta()
-        content_text, content_ids = text, list(token_ids)
+        content_text = text
         if self._reasoning is not None and not self._reasoning_done:
             # Whole-text parsing, diffed against what was sent: vLLM's streaming reasoning parsers expect one
             # token per delta, and a batch holds several (the engine keeps the markers in the text for this).
-            reasoning, content = self._reasoning.extract_reasoning(self._text + text, self._request)
+            # The text and ids so far are kept only until the reasoning ends: after it, nothing reads them
+            # (appending to a long output's text at every batch would copy it every time).
+            self._text += text
+            self._ids += token_ids
+            reasoning, content = self._reasoning.extract_reasoning(self._text, self._request)
             out.reasoning = (reasoning or "")[len(self._reasoning_sent) :]
             self._reasoning_sent = reasoning or ""
             content_text = content or ""
-            self._reasoning_done = self._reasoning.is_reasoning_end(self._ids + content_ids)
-        self._text += text
-        self._ids += token_ids
+            self._reasoning_done = self._reasoning.is_reasoning_end(self._ids)
         if self._json_calls:
             self._content += content_text
             return out  # parsed whole, at `finish`
@@ -130,6 +132,7 @@ class OutputParser:
             out.content = content_text
             return out
         previous, previous_ids = self._content, self._content_ids
+        content_ids = list(token_ids)
         self._content += content_text
         self._content_ids = previous_ids + content_ids
         delta = self._tools.extract_tool_calls_streaming(
