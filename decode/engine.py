@@ -40,7 +40,7 @@ class DecodeEngine(EngineHost):
 
     async def generate(self, req: EngineRequest) -> AsyncIterator[TokenBatch]:
         """Generate and stream tokens in batches: the first token at once (TTFT), then by count or
-        time, whichever comes first (engine.host.BatchedOutputs gathers them). Cancelling the iterator
+        time, whichever comes first (engine.batched_outputs gathers them). Cancelling the iterator
         aborts the request in the engine."""
         kv = req.kv_transfer_params
         if kv and kv.get("do_remote_prefill") and not self._hand(str(kv.get("remote_request_id", ""))):
