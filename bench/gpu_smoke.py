@@ -166,7 +166,7 @@ def run_reference(
 
 
 def main(argv: list[str] | None = None) -> int:
-    from engine.host import free_ports
+    from engine.ports import free_ports
     from engine.tiny_model import ensure_tiny_model
 
     parser = argparse.ArgumentParser(

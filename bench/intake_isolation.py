@@ -24,7 +24,7 @@ import httpx
 
 from bench.live.cli import LOCAL_TOPOLOGY
 from bench.live.systems import PDSERVE_SYSTEMS, pdserve
-from engine.host import free_ports
+from engine.ports import free_ports
 from pdserve_client.sdk import AsyncPdserveClient, PdserveError
 from router.doors.limits import MAX_REQUEST_BYTES
 

@@ -81,7 +81,7 @@ def _ray_bin() -> str:
 def start_local_head(topo: Topology) -> tuple[str, str]:
     """`ray start --head` on loopback; returns (gcs address, dashboard url)."""
     cfg = topo.ray
-    from engine.host import free_ports
+    from engine.ports import free_ports
 
     (port,) = free_ports(1)
     cmd = [

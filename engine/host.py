@@ -10,8 +10,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import random
-import socket
 import tempfile
 import time
 from collections.abc import AsyncGenerator
@@ -31,53 +29,11 @@ from engine.messages import (
     StreamBatch,
 )
 from engine.model_source import resolve_model_dir
+from engine.ports import free_ports
 from engine.spec import EngineSpec
 from engine.stats import EngineCounters, counters_logger_factory, unexported_prometheus_logger
 
 log = logging.getLogger(__name__)
-
-
-# Ports drawn below the kernel's ephemeral range (and above Ray's worker ports, 10002-19999): a port drawn
-# there goes only to a process that asks for it by number. A port found free by binding port 0 comes from
-# the ephemeral range, where any outgoing connection may take it before vLLM binds it; vLLM's NIXL
-# handshake listener then dies on "Address already in use" and the engine hangs in start-up (seen when a
-# replacement replica started while the cluster was busy).
-_PORT_LOW = 20_000
-
-
-def _ephemeral_low() -> int:
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32_768  # Linux's default
-
-
-def free_ports(n: int) -> list[int]:
-    """`n` distinct TCP ports free on every interface now, outside the ephemeral range where there is room.
-    All are held until the last is drawn: two equal ports would stop the engine (vLLM's publisher binds both
-    of its endpoints, NIXL its side channel). Another process asking for the same number can still take
-    one before vLLM binds it (Serve then restarts the replica)."""
-    high = _ephemeral_low()
-    pick = random.SystemRandom()
-    socks: list[socket.socket] = []
-    try:
-        for _ in range(200 * n):
-            if len(socks) == n:
-                break
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            port = pick.randrange(_PORT_LOW, high) if high - _PORT_LOW > 1000 else 0
-            try:
-                s.bind(("0.0.0.0", port))  # not listening: free on 0.0.0.0 means free on the node's address
-            except OSError:
-                s.close()
-                continue
-            socks.append(s)
-        if len(socks) < n:
-            raise OSError(f"no {n} free ports in {_PORT_LOW}-{high - 1}")
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _kv_event_endpoints(
@@ -239,10 +195,11 @@ class EngineHost:
 
     async def _one_token(self, req: EngineRequest, kv: dict[str, Any]) -> Any:
         """Run a one-token request with connector params to its end; vLLM's final output. ignore_eos and no
-        stop strings make it always finish by length, the case in which vLLM keeps its KV for a transfer."""
+        stop strings make it always finish by length, the case in which vLLM keeps its KV for a transfer.
+        Its token is never read: no detokenizer (vLLM primes one with the whole prompt, ~1 ms at 128k)."""
         sampling = Sampling(max_tokens=1, temperature=0.0, ignore_eos=True)
         final = None
-        async for out in self._outputs(req, self._sampling_params(sampling, kv)):
+        async for out in self._outputs(req, self._sampling_params(sampling, kv, detokenize=False)):
             final = out
         if final is None:
             raise RuntimeError(f"{req.request_id} produced no output")
@@ -303,7 +260,9 @@ class EngineHost:
     async def abort(self, request_id: str) -> None:
         await self._llm.abort(request_id)
 
-    def _sampling_params(self, s: Sampling, kv_transfer_params: dict[str, Any] | None) -> Any:
+    def _sampling_params(
+        self, s: Sampling, kv_transfer_params: dict[str, Any] | None, *, detokenize: bool = True
+    ) -> Any:
         from vllm.sampling_params import RequestOutputKind, SamplingParams
 
         return SamplingParams(
@@ -323,6 +282,7 @@ class EngineHost:
             structured_outputs=structured_outputs(s.constraint),
             logprobs=s.logprobs,
             output_kind=RequestOutputKind.DELTA,
+            detokenize=detokenize,
             extra_args={"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None,
         )
 

@@ -7,13 +7,13 @@ range and above Ray's worker ports (10002-19999) go only to processes that ask f
 
 from __future__ import annotations
 
-from engine.host import free_ports
+from engine.ports import free_ports
 
 _HANDED_OUT: set[int] = set()  # this test process's ports: a test binds its ports only after drawing them all
 
 
 def free_port() -> int:
-    """A port that is free now, outside the ephemeral range where possible (engine.host.free_ports).
+    """A port that is free now, outside the ephemeral range where possible (engine.ports.free_ports).
 
     A port is free until its test binds it, so two calls in one test could draw the same one (it happened in
     CI: grpc_port == metrics_port). No port is handed out twice in one process."""

@@ -44,7 +44,7 @@ import yaml
 
 from bench.revision import extract
 from cluster.cli import READY_LINE
-from engine.host import free_ports
+from engine.ports import free_ports
 from router.config import RouterPolicy
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,41 +1,15 @@
-"""The engine host's own pieces: its ports, and how a request's stream ends when the engine hangs or the
+"""The engine host's own pieces: how a request's stream ends when the engine hangs or the
 request is given up, on a stand-in for vLLM's AsyncLLM surface (the engine itself: tests/e2e)."""
 
 import asyncio
-import socket
 from typing import Any
 
 import pytest
 from replicas import tiny_spec
 
 from engine.batched_outputs import BatchedOutputs
-from engine.host import EngineHost, free_ports
+from engine.host import EngineHost
 from engine.messages import EngineRequest, ReplicaFailed, Sampling, StreamBatch
-
-
-def test_an_engine_hosts_ports_are_distinct_and_free() -> None:
-    # NIXL's side channel and the KV-event publisher's two endpoints: two equal ports stop the engine.
-    for _ in range(200):
-        ports = free_ports(3)
-        assert len(set(ports)) == 3
-        for port in ports:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port))
-
-
-def test_free_ports_are_distinct_bindable_and_outside_the_ephemeral_range() -> None:
-    # An ephemeral port can be taken by any outgoing connection before vLLM binds it; NIXL's handshake
-    # listener then dies and the engine hangs in start-up. Ports below the range go only to who asks.
-    import socket
-
-    from engine.host import _PORT_LOW, _ephemeral_low, free_ports
-
-    ports = free_ports(6)
-    assert len(set(ports)) == 6
-    assert all(_PORT_LOW <= p < _ephemeral_low() for p in ports)
-    for p in ports:
-        with socket.socket() as s:
-            s.bind(("0.0.0.0", p))
 
 
 class _Collector:
@@ -47,13 +21,14 @@ class _Collector:
 
 class _StandInLLM:
     """The surface of vLLM's AsyncLLM that EngineHost._outputs and failure use: `generate` yields what a
-    test puts on the request's queue, and `output_processor.propagate_error` puts an exception on every
-    open request's queue, as vLLM's own is for a dead engine."""
+    test puts on the request's queue (until a finished output), and `output_processor.propagate_error`
+    puts an exception on every open request's queue, as vLLM's own is for a dead engine."""
 
     def __init__(self) -> None:
         self.errored = False
         self.open: dict[str, _Collector] = {}
         self.closed: list[str] = []
+        self.params: dict[str, Any] = {}
         self.output_processor = self
 
     def propagate_error(self, e: Exception) -> None:
@@ -62,12 +37,15 @@ class _StandInLLM:
 
     async def generate(self, prompt: object, params: object, *, request_id: str, **_: object) -> Any:
         c = self.open[request_id] = _Collector()
+        self.params[request_id] = params
         try:
             while True:
                 out = await c.queue.get()
                 if isinstance(out, Exception):
                     raise out
                 yield out
+                if getattr(out, "finished", False):
+                    return
         finally:
             self.closed.append(request_id)  # vLLM aborts the request here when it did not finish
             del self.open[request_id]
@@ -203,3 +181,17 @@ async def test_a_batched_stream_takes_the_requests_outputs_and_aborts_it_when_gi
     llm.step([8])
     await outputs.aclose()  # the client went away mid-batch
     assert llm.aborted == ["r3-internal"] and host._inflight == 0
+
+
+async def test_a_one_token_legs_token_is_not_detokenized_and_a_streams_tokens_are() -> None:
+    """A prefill leg's (or a KV pin's) one token is discarded: vLLM is asked for no text, which spares it a
+    detokenizer primed with the whole prompt. Streamed tokens keep their text."""
+    host, llm = _host(hang_timeout_s=30)
+    request = EngineRequest(request_id="p1", prompt_token_ids=list(range(64)), sampling=Sampling())
+    leg = asyncio.ensure_future(host._one_token(request, {"do_remote_decode": True}))
+    await asyncio.sleep(0.01)
+    llm.open["p1"].queue.put_nowait(_output([5], finished=True))
+    assert (await asyncio.wait_for(leg, 1.0)).finished
+    one_token = llm.params["p1"]
+    assert one_token.detokenize is False and one_token.max_tokens == 1 and not one_token.stop
+    assert host._sampling_params(Sampling(stop=["\n"]), None).detokenize is True
