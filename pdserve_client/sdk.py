@@ -118,10 +118,9 @@ def generate_request(**fields: Unpack[GenerateFields]) -> pb.GenerateRequest:
     choice = fields.get("tool_choice")
     template_kwargs = fields.get("chat_template_kwargs")
     fmt = fields.get("response_format")
-    return pb.GenerateRequest(
+    request = pb.GenerateRequest(
         model=fields.get("model", ""),
         prompt=fields.get("prompt", ""),
-        messages=[chat_message(m) for m in fields.get("messages", ())],
         prompt_token_ids=list(fields.get("token_ids", ())),
         tools=[tool(t) for t in fields.get("tools", ())],
         sampling=sampling,
@@ -132,6 +131,9 @@ def generate_request(**fields: Unpack[GenerateFields]) -> pb.GenerateRequest:
         response_format=None if fmt is None else response_format(fmt),
         chat_template_kwargs_json=json.dumps(template_kwargs) if template_kwargs else "",
     )
+    for m in fields.get("messages", ()):
+        _fill_message(request.messages.add(), m)
+    return request
 
 
 def tool_choice(choice: str) -> pb.ToolChoice:
@@ -168,27 +170,37 @@ def tokenize_request(
     model: str = "",
     chat_template_kwargs: Mapping[str, Any] | None = None,
 ) -> pb.TokenizeRequest:
-    return pb.TokenizeRequest(
+    request = pb.TokenizeRequest(
         model=model,
         prompt=prompt,
-        messages=[chat_message(m) for m in messages],
         tools=[tool(t) for t in tools],
         chat_template_kwargs_json=json.dumps(chat_template_kwargs) if chat_template_kwargs else "",
     )
+    for m in messages:
+        _fill_message(request.messages.add(), m)
+    return request
 
 
 def chat_message(message: Mapping[str, Any]) -> pb.ChatMessage:
     """A chat message dict as the proto message; unknown keys are refused (they would be lost silently)."""
+    return _fill_message(pb.ChatMessage(), message)
+
+
+def _fill_message(out: pb.ChatMessage, message: Mapping[str, Any]) -> pb.ChatMessage:
+    """`chat_message` into `out`, in place: a request's messages are added to it, not built apart and
+    appended, since protobuf copies an appended message (a 4 MB one in ~6 ms, 20x the time to build it)."""
     unknown = set(message) - _MESSAGE_KEYS
     if unknown:
         raise ValueError(f"unknown chat message keys {sorted(unknown)}; allowed: {sorted(_MESSAGE_KEYS)}")
-    return pb.ChatMessage(
-        role=message["role"],
-        content=message.get("content") or "",
-        tool_calls=[_tool_call(call) for call in message.get("tool_calls") or ()],
-        tool_call_id=message.get("tool_call_id") or "",
-        name=message.get("name") or "",
-    )
+    out.role = message["role"]
+    out.content = message.get("content") or ""
+    out.tool_call_id = message.get("tool_call_id") or ""
+    out.name = message.get("name") or ""
+    for call in message.get("tool_calls") or ():
+        function = call.get("function", call)
+        arguments = _json_text(function.get("arguments"))
+        out.tool_calls.add(id=call.get("id") or "", name=function["name"], arguments_json=arguments)
+    return out
 
 
 def tool(definition: Mapping[str, Any]) -> pb.Tool:
@@ -198,13 +210,6 @@ def tool(definition: Mapping[str, Any]) -> pb.Tool:
         name=function["name"],
         description=function.get("description") or "",
         parameters_json=_json_text(function.get("parameters")),
-    )
-
-
-def _tool_call(call: Mapping[str, Any]) -> pb.ToolCall:
-    function = call.get("function", call)
-    return pb.ToolCall(
-        id=call.get("id") or "", name=function["name"], arguments_json=_json_text(function.get("arguments"))
     )
 
 

@@ -78,15 +78,14 @@ def _logprobs(req: Any) -> int | None:
 
 def chat_request(req: Any) -> pb.GenerateRequest:
     out = pb.GenerateRequest(model=_model(req), sampling=_sampling(req))
+    # Built in place: protobuf copies an appended message (a 4 MB one in ~6 ms, 20x the time to build it).
     for i, message in enumerate(req.messages):
-        out.messages.append(_chat_message(message, f"messages[{i}]"))
+        _chat_message(out.messages.add(), message, f"messages[{i}]")
     for tool in req.tools or ():
-        out.tools.append(
-            pb.Tool(
-                name=tool.function.name,
-                description=tool.function.description or "",
-                parameters_json=json.dumps(tool.function.parameters or {}),
-            )
+        out.tools.add(
+            name=tool.function.name,
+            description=tool.function.description or "",
+            parameters_json=json.dumps(tool.function.parameters or {}),
         )
     if req.tools:
         choice = req.tool_choice
@@ -124,7 +123,7 @@ def _model(req: Any) -> str:
     return req.model or ""
 
 
-def _chat_message(message: Any, field: str) -> pb.ChatMessage:
+def _chat_message(out: pb.ChatMessage, message: Any, field: str) -> None:
     content = message.get("content")
     if isinstance(content, list):
         parts = []
@@ -135,23 +134,18 @@ def _chat_message(message: Any, field: str) -> pb.ChatMessage:
                 )
             parts.append(part["text"])
         content = "".join(parts)
-    out = pb.ChatMessage(
-        role=message["role"],
-        content=content or "",
-        tool_call_id=message.get("tool_call_id") or "",
-        name=message.get("name") or "",
-    )
+    out.role = message["role"]
+    out.content = content or ""
+    out.tool_call_id = message.get("tool_call_id") or ""
+    out.name = message.get("name") or ""
     for call in message.get("tool_calls") or ():
         function = call.get("function") or {}
         arguments = function.get("arguments", "")
-        out.tool_calls.append(
-            pb.ToolCall(
-                id=call.get("id") or "",
-                name=function.get("name") or "",
-                arguments_json=arguments if isinstance(arguments, str) else json.dumps(arguments),
-            )
+        out.tool_calls.add(
+            id=call.get("id") or "",
+            name=function.get("name") or "",
+            arguments_json=arguments if isinstance(arguments, str) else json.dumps(arguments),
         )
-    return out
 
 
 def _response_format(req: Any, out: pb.GenerateRequest) -> None:
