@@ -6,16 +6,19 @@ requests (a few tokens in, 2 out) are sent one after another over gRPC, first al
 clients per door keep sending over-long prompts: gRPC requests just under the message limit and OpenAI chat
 requests just under the HTTP body cap (router/doors/limits.py), each refused as too long for the model.
 
-    .venv/bin/python -m bench.intake_isolation
+    .venv/bin/python -m bench.intake_isolation [--systems doubles@REV,doubles]
+
+`doubles@REV` runs this repository as of git revision REV (bench/live/systems.py): before against after in one
+run, one table.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing
-import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,7 +26,7 @@ from typing import Any
 import httpx
 
 from bench.live.cli import LOCAL_TOPOLOGY
-from bench.live.systems import PDSERVE_SYSTEMS, pdserve
+from bench.live.systems import PDSERVE_SYSTEMS, pdserve, revision
 from engine.ports import free_ports
 from pdserve_client.sdk import AsyncPdserveClient, PdserveError
 from router.doors.limits import MAX_REQUEST_BYTES
@@ -119,14 +122,27 @@ def _send_over_long(
     results.put(asyncio.run(send()))
 
 
-def _ms(values: list[float], q: float) -> str:
-    if not values:
-        return "-"
+def _quantile(values: list[float], q: float) -> float:
     ordered = sorted(values)
-    return f"{ordered[min(int(q * len(ordered)), len(ordered) - 1)] * 1e3:.0f}"
+    return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
 
 
-async def run(grpc_target: str, http_url: str, *, shorts: int, senders: int, burst: bool) -> int:
+def _ms(values: list[float], q: float) -> str:
+    return f"{_quantile(values, q) * 1e3:.0f}" if values else "-"
+
+
+@dataclass
+class Outcome:
+    """One system's run: short TTFTs idle and under load (seconds), the refusals, and the load's shape."""
+
+    idle: list[float]
+    loaded: list[float]
+    grpc: Refusals
+    http: Refusals
+    how: str
+
+
+async def run(grpc_target: str, http_url: str, *, shorts: int, senders: int, burst: bool) -> Outcome:
     # The gRPC message holds the prompt as protobuf; the HTTP body as JSON (ASCII text: the same bytes).
     text = long_text(MAX_REQUEST_BYTES - _ROOM)
     async with AsyncPdserveClient(grpc_target) as client:
@@ -159,20 +175,39 @@ async def run(grpc_target: str, http_url: str, *, shorts: int, senders: int, bur
     else:
         loaded = [ttft for _, ttft in timed]
         how = f"{senders} senders per door, back to back"
-    idle_p50 = statistics.median(idle)
-    print(f"\nover-long prompts: {len(text) / 1e6:.1f} MB of text, {how}")
-    print(f"{'':<34} {'p50 ms':>7} {'p90 ms':>7} {'max ms':>7} {'n':>5}")
-    for name, values in (("short request TTFT, idle", idle), ("short request TTFT, under load", loaded)):
-        print(f"{name:<34} {_ms(values, 0.5):>7} {_ms(values, 0.9):>7} {_ms(values, 1):>7} {len(values):5d}")
-    for name, refusals in (("gRPC", grpc_refusals), ("HTTP", http_refusals)):
-        s = refusals.seconds
-        print(f"{'refusal, ' + name:<34} {_ms(s, 0.5):>7} {_ms(s, 0.9):>7} {_ms(s, 1):>7} {len(s):5d}")
-    if loaded:
-        print(f"\nshort TTFT under load / idle, p50: {statistics.median(loaded) / idle_p50:.2f}x")
-    unexpected = grpc_refusals.unexpected + http_refusals.unexpected
-    for line in unexpected[:5]:
-        print("unexpected:", line)
-    return 1 if unexpected or not loaded else 0
+    return Outcome(idle, loaded, grpc_refusals, http_refusals, how)
+
+
+def report(outcomes: list[tuple[str, Outcome]]) -> int:
+    """One row per system; 1 when a system saw an unexpected answer or no short request under load."""
+    mb = len(long_text(MAX_REQUEST_BYTES - _ROOM)) / 1e6
+    print(f"\nover-long prompts: {mb:.1f} MB of text; " + "; ".join(f"{n}: {o.how}" for n, o in outcomes))
+    cols = ["idle p50", "load p50", "load p90", "load/idle", "gRPC p50", "gRPC p90", "HTTP p50", "HTTP p90"]
+    print(
+        f"{'system':<22} " + " ".join(f"{c:>9}" for c in cols) + "   (ms; short request TTFT, then refusals)"
+    )
+    failed = 0
+    for system, o in outcomes:
+        ratio = f"{_quantile(o.loaded, 0.5) / _quantile(o.idle, 0.5):.2f}x" if o.loaded else "-"
+        cells = [_ms(o.idle, 0.5), _ms(o.loaded, 0.5), _ms(o.loaded, 0.9), ratio]
+        cells += [_ms(r.seconds, q) for r in (o.grpc, o.http) for q in (0.5, 0.9)]
+        print(f"{system:<22} " + " ".join(f"{c:>9}" for c in cells))
+        for line in (o.grpc.unexpected + o.http.unexpected)[:5]:
+            print(f"  {system}: unexpected: {line}")
+        failed |= bool(o.grpc.unexpected or o.http.unexpected or not o.loaded)
+    return int(failed)
+
+
+def systems(spec: str) -> list[str]:
+    """`--systems`: `doubles` or `doubles@REV`, comma-separated."""
+    names = [s.strip() for s in spec.split(",") if s.strip()]
+    for name in names:
+        base, _, rev = name.partition("@")
+        if base != "doubles" or (name != base and not rev):
+            raise argparse.ArgumentTypeError(f"{name!r}: this bench runs `doubles` or `doubles@REV`")
+    if not names:
+        raise argparse.ArgumentTypeError("name at least one system")
+    return names
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -185,15 +220,28 @@ def main(argv: list[str] | None = None) -> int:
         help="each sender sends its next over-long prompt as soon as the last is refused (default: bursts, "
         "every sender's prompt at once, again 0.25 s after the last refusal)",
     )
+    ap.add_argument(
+        "--systems",
+        type=systems,
+        default=["doubles"],
+        help="comma-separated: doubles, or doubles@REV (this repository at git revision REV)",
+    )
     args = ap.parse_args(argv)
-    (http_port,) = free_ports(1)
-    overrides = {**PDSERVE_SYSTEMS["doubles"], "server.http_port": http_port}
-    print("starting doubles with the HTTP door ...", flush=True)
-    with pdserve(LOCAL_TOPOLOGY, overrides) as target:
-        url = f"http://127.0.0.1:{http_port}/v1/chat/completions"
-        return asyncio.run(
-            run(target, url, shorts=args.shorts, senders=args.senders, burst=not args.back_to_back)
-        )
+    outcomes = []
+    for system in args.systems:
+        (http_port,) = free_ports(1)
+        overrides = {**PDSERVE_SYSTEMS["doubles"], "server.http_port": http_port}
+        print(f"starting {system} with the HTTP door ...", flush=True)
+        with contextlib.ExitStack() as stack:
+            _, _, rev = system.partition("@")
+            env, tree = stack.enter_context(revision(rev)) if rev else (None, None)
+            target = stack.enter_context(pdserve(LOCAL_TOPOLOGY, overrides, env, tree))
+            url = f"http://127.0.0.1:{http_port}/v1/chat/completions"
+            outcome = asyncio.run(
+                run(target, url, shorts=args.shorts, senders=args.senders, burst=not args.back_to_back)
+            )
+        outcomes.append((system, outcome))
+    return report(outcomes)
 
 
 if __name__ == "__main__":
