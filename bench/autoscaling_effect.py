@@ -163,12 +163,15 @@ def main(argv: list[str] | None = None) -> int:
     print(format_rows(rows))
     fixed = {"prefill": args.prefill, "decode": args.decode}
     # Open loop only: a closed-loop session's turns arrive when its replies end, not at recorded times.
-    bound = {} if trace.closed_loop else {role: per_minute_bound(trace, n) for role, n in fixed.items()}
+    bound = {} if trace.closed_loop else {role: per_minute_bound(trace, n, role) for role, n in fixed.items()}
     if bound:
+        weighted = bound["prefill"] * args.prefill + bound["decode"] * args.decode
+        total = weighted / (args.prefill + args.decode)
         print(
-            f"A per-minute oracle (each minute the fixed count x that minute's arrivals / the busiest"
-            f" minute's, rounded up, started instantly) would run {bound['prefill']:.2f}x the fixed prefill"
-            f" and {bound['decode']:.2f}x the fixed decode replica-hours."
+            f"A per-minute oracle (each minute the fixed count x that minute's work / the busiest minute's,"
+            f" rounded up, started instantly; prefill's work its prompt tokens, decode's the tokens it"
+            f" generates) would run {bound['prefill']:.2f}x the fixed prefill and {bound['decode']:.2f}x the"
+            f" fixed decode replica-hours, {total:.2f}x in all."
         )
     if args.json is not None:
         args.json.write_text(json.dumps({"rows": [asdict(r) for r in rows], "oracle": bound}, indent=2))
@@ -187,12 +190,17 @@ def bursty_starts(n: int, rate_per_s: float, *, seed: int) -> list[float]:
     return out
 
 
-def per_minute_bound(trace: Trace, fixed: int) -> float:
-    """The replica-hours of scaling each minute to its arrivals, as a share of `fixed` replicas' (a floor for
-    any autoscaler whose replicas serve as the fixed ones do at the peak)."""
-    minutes = Counter(int(r.arrival_s // 60) for r in trace.requests())
-    peak = max(minutes.values())
-    counts = [minutes.get(m, 0) for m in range(max(minutes) + 1)]
+def per_minute_bound(trace: Trace, fixed: int, role: str) -> float:
+    """The replica-hours of scaling each minute to its work, as a share of `fixed` replicas' (a floor for any
+    autoscaler whose replicas serve as the fixed ones do at the busiest minute). A pool's work is its own:
+    the prompt tokens arriving for prefill, the tokens to generate for decode. On the Azure hour they do not
+    move together (its busiest minutes bring long prompts and short replies), so counting arrivals would
+    misstate both pools."""
+    work = Counter[int]()
+    for r in trace.requests():
+        work[int(r.arrival_s // 60)] += r.num_prompt_tokens if role == "prefill" else r.num_output_tokens
+    peak = max(work.values())
+    counts = [work.get(m, 0) for m in range(max(work) + 1)]
     return sum(math.ceil(fixed * c / peak) for c in counts) / (fixed * len(counts))
 
 
