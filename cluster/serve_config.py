@@ -47,6 +47,11 @@ IMPORT_PATH = "cluster.serve_app:build_app"
 RAY_VERSION = "2.60.0"
 DEFAULT_IMAGE = "pdserve:0.1.0"  # built from this repository: Ray 2.60, vLLM, NIXL and pdserve installed
 REGISTRY = "registry"  # the application's ingress deployment (cluster/registry.py)
+# Ray starts its workers at niceness 15, below its own daemons and anything else on the node. pdserve's
+# replicas are the serving path (the router's event loop; the engine host and its engine-core process, which
+# inherits the niceness): at 15 they lose every contended core, and the engine steps slower. A worker reads
+# this from its environment when it starts.
+SERVING_PRIORITY_ENV = {"RAY_worker_niceness": "0"}
 TOPOLOGY_KEY = "topology"  # the registry's user_config key holding the deployed topology
 
 
@@ -69,6 +74,12 @@ def compile_serve_config(
     deployments.append({"name": REGISTRY, "user_config": {TOPOLOGY_KEY: msgspec.to_builtins(topo)}})
     if serve_router:
         deployments.append(router_deployment_config(topo.server))
+    for deployment in deployments:
+        # The serving path only. Not the registry (control plane): its actor options come from its code
+        # (cluster/serve_app.py, no CPU), and any options here would replace them.
+        if deployment["name"] != REGISTRY:
+            runtime_env = deployment["ray_actor_options"].setdefault("runtime_env", {})
+            runtime_env["env_vars"] = {**SERVING_PRIORITY_ENV, **runtime_env.get("env_vars", {})}
     return {
         # pdserve's router serves its own gRPC endpoint (from its replica), so Serve's
         # HTTP/gRPC proxies would only take ports and CPU.

@@ -11,6 +11,7 @@ from ray.serve.schema import ServeDeploySchema
 
 from cluster.serve_app import engine_spec
 from cluster.serve_config import (
+    SERVING_PRIORITY_ENV,
     compile_serve_config,
     export_rayservice,
     in_cluster,
@@ -205,13 +206,33 @@ def test_several_routers_share_the_head_or_run_one_per_labelled_node() -> None:
     on_head = deployments(compile_serve_config(parse_topology({"server": {"routers": 3}}), serve_router=True))
     router = on_head["router"]
     assert router["num_replicas"] == 3 and "max_replicas_per_node" not in router  # they share the ports
-    assert router["ray_actor_options"] == {"num_cpus": 0, "resources": {"node:__internal_head__": 0.001}}
+    serving = {"runtime_env": {"env_vars": SERVING_PRIORITY_ENV}}
+    assert router["ray_actor_options"] == {
+        "num_cpus": 0,
+        "resources": {"node:__internal_head__": 0.001},
+        **serving,
+    }
     spread = parse_topology({"server": {"routers": 2, "router_node_labels": {"role": "router"}}})
     config = compile_serve_config(spread, serve_router=True)
     ServeDeploySchema.model_validate(config)
     router = deployments(config)["router"]
     assert router["num_replicas"] == 2 and router["max_replicas_per_node"] == 1
-    assert router["ray_actor_options"] == {"num_cpus": 0, "label_selector": {"role": "router"}}
+    assert router["ray_actor_options"] == {"num_cpus": 0, "label_selector": {"role": "router"}, **serving}
+
+
+def test_the_serving_replicas_run_at_the_nodes_normal_priority_not_rays_worker_niceness() -> None:
+    # Ray would start them at niceness 15, behind everything else on a contended node.
+    topo = parse_topology({"pools": {"prefill": {"replicas": 1}, "decode": {"replicas": 2}}})
+    config = compile_serve_config(topo, serve_router=True)
+    ServeDeploySchema.model_validate(config)
+    assert set(deployments(config)) == {"prefill", "decode", "registry", "router"}
+    for name in ("prefill", "decode", "router"):
+        env = deployments(config)[name]["ray_actor_options"]["runtime_env"]["env_vars"]
+        assert env["RAY_worker_niceness"] == "0", name
+    # The registry is control plane, and its actor options (no CPU) are its code's: none here replace them.
+    assert "ray_actor_options" not in deployments(config)["registry"]
+    # The engine pools keep their engine spec beside it.
+    assert ENGINE_SPEC_ENV in deployments(config)["decode"]["ray_actor_options"]["runtime_env"]["env_vars"]
 
 
 def test_in_cluster_the_router_listens_on_the_pods_interfaces_and_engines_on_the_pods_address() -> None:

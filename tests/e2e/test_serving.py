@@ -13,6 +13,7 @@ from typing import Any
 
 import grpc
 import jsonschema
+import psutil
 import pytest
 from e2e_support import kv_bytes_per_token, reference_outputs
 
@@ -148,6 +149,23 @@ def test_each_replica_reports_its_starts_phases_and_decode_its_first_nixl_handsh
         assert {"actor", "weights", "engine_init", "compile", "engine_other"} <= set(phases), phases
         assert all(s >= 0 for s in phases.values()) and phases["weights"] > 0 and phases["engine_init"] > 0
     assert dict(replica(client, "decode").start_phases_s)["nixl_handshake"] > 0
+
+
+def test_the_router_the_replicas_and_their_engines_run_at_normal_priority(cluster: Any) -> None:
+    # Ray starts its workers at niceness 15; the serving path must not yield every contended core. (The
+    # registry, control plane, keeps Ray's default.)
+    serving = {}
+    for p in cluster.processes():
+        try:
+            name = " ".join(p.cmdline()[:1]) or p.name()
+            replica = "ServeReplica:pdserve" in name and "registry" not in name
+            if replica or "EngineCor" in name or "EngineCor" in p.name():
+                serving[f"{p.pid} {name}"] = p.nice()
+        except psutil.NoSuchProcess:
+            continue
+    names = " ".join(serving)
+    assert names.count("EngineCor") == 2 and names.count("ServeReplica") == 3 and "router" in names, serving
+    assert set(serving.values()) == {0}, serving
 
 
 def test_a_long_generation_streams_in_several_messages(client: PdserveClient) -> None:
