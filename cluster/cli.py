@@ -203,10 +203,9 @@ def _up(args: argparse.Namespace) -> int:
         deploy,
         process_alive,
         start_local_head,
-        wait_until_running,
-        wait_until_serving,
     )
     from cluster.ray_auth import RayAuthError, ensure_ray_token, token_path, use_ray_token_auth
+    from cluster.readiness import running_engine_replicas, wait_until_running, wait_until_serving
     from cluster.serve_config import REGISTRY, compile_serve_config
     from engine.model_source import resolve_model_dir
 
@@ -271,6 +270,7 @@ def _up(args: argparse.Namespace) -> int:
         wait_until_serving(
             lambda: registry.routers.remote().result(timeout_s=5),
             topo.server.routers,
+            lambda: running_engine_replicas(APP_NAME),
             topo.ray.placement_timeout_s,
         )
         metrics_url = f"http://{topo.server.metrics_host}:{topo.server.metrics_port}/metrics"

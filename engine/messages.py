@@ -307,6 +307,9 @@ class RouterReport(msgspec.Struct, frozen=True, kw_only=True):
     grpc_address: str = ""  # host:port of its gRPC door
     metrics_address: str = ""  # host:port of its /metrics
     serving: bool = False  # what its gRPC health says
+    # Engine replicas of each role it can route to now (ready, not draining, not failed): `pdserve up`
+    # says it is up once every router sees every replica Serve runs, not just a decode replica.
+    routable: dict[str, int] = {}
     inflight_requests: int = 0
     # Prompt tokens of the requests it admitted and that have not ended (admission counts the cluster's).
     admitted_tokens: int = 0

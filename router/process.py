@@ -202,6 +202,7 @@ class RouterProcess:
             grpc_address=f"{server.grpc_host}:{server.grpc_port}",
             metrics_address=self._metrics_address,
             serving=bool(self._serving),
+            routable={role: self.view.serving(role) for role in ("prefill", "decode")},
             inflight_requests=self.view.load.inflight(),
             admitted_tokens=self.decider.admitted_tokens,
             replicas=self.view.load.dispatched(),

@@ -24,7 +24,8 @@ import ray
 from ports import free_port
 from ray_nodes import RayNodes
 
-from cluster.bootstrap import deploy, router_process, wait_until_running
+from cluster.bootstrap import deploy, router_process
+from cluster.readiness import wait_until_running
 from cluster.serve_config import compile_serve_config
 from cluster.topology import Topology
 from cluster.topology_file import parse_topology

@@ -106,10 +106,13 @@ async def test_each_poll_reports_this_routers_load_and_admission_counts_the_othe
     process.view._registry = registry
     process.config.current = msgspec.structs.replace(process.config.current, overload_queue_tokens=1000)
     await process.view.refresh()
+    # The first poll's report went out before this router had read the replicas.
+    assert registry.reports[-1].routable == {"prefill": 0, "decode": 0}
     process.decider.route("r1", None, list(range(300)), Sampling(max_tokens=4))
     await process.view.refresh()
     report = registry.reports[-1]
     assert report.router_id == process.view.router_id and report.admitted_tokens == 300
+    assert report.routable == {"prefill": 1, "decode": 1}
     assert report.grpc_address == "127.0.0.1:50051" and report.inflight_requests == 1
     assert sum(d.active_seqs for d in report.replicas.values()) == 1
     # Another router has 600 prompt tokens in flight on d0: this one's views and admission count them.
