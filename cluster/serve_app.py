@@ -28,6 +28,14 @@ from engine.replica import EngineReplica
 from engine.spec import EngineSpec
 from prefill.prefill_replica import PrefillReplica
 
+# Ray starts its workers at niceness 15, below its own daemons and anything else on the node. pdserve's
+# replicas are the serving path (the router's event loop; the engine host and its engine-core process, which
+# inherits the niceness) and the registry whose heartbeats keep replicas routable: at 15 they lose every
+# contended core to the engines they coordinate. A worker reads this from its environment when it starts.
+SERVING_PRIORITY_ENV = {"RAY_worker_niceness": "0"}
+# The registry's options are its code's (a deployment config gives it none): no CPU, normal priority.
+REGISTRY_ACTOR_OPTIONS = {"num_cpus": 0, "runtime_env": {"env_vars": SERVING_PRIORITY_ENV}}
+
 
 def engine_spec(topo: Topology, role: str) -> EngineSpec:
     pool: Pool = getattr(topo.pools, role)
@@ -107,7 +115,8 @@ def app_args(topo: Topology, *, serve_router: bool = False) -> dict[str, Any]:
 def build_app(args: dict[str, Any]) -> Application:
     servers: dict[str, type[EngineReplica]] = {"prefill": PrefillReplica, "decode": DecodeReplica}
     pools = [serve.deployment(name=role)(servers[role]).bind() for role in args["roles"]]
-    registry = serve.deployment(name="registry", ray_actor_options={"num_cpus": 0})(Registry).bind(*pools)
+    registry_deployment = serve.deployment(name="registry", ray_actor_options=REGISTRY_ACTOR_OPTIONS)
+    registry = registry_deployment(Registry).bind(*pools)
     if not args.get("router"):
         return registry
     return serve.deployment(name=ROUTER)(RouterReplica).bind(registry)

@@ -38,7 +38,7 @@ from cluster.kuberay import (
     worker_group,
 )
 from cluster.router_replica import router_deployment_config
-from cluster.serve_app import app_args, engine_spec
+from cluster.serve_app import SERVING_PRIORITY_ENV, app_args, engine_spec
 from cluster.topology import NodeGroup, Pool, Topology
 from engine.spec import EngineSpec, spec_env
 from router.legs.replica_hint import IMPORT_PATH as HINT_ROUTER_IMPORT_PATH
@@ -47,11 +47,6 @@ IMPORT_PATH = "cluster.serve_app:build_app"
 RAY_VERSION = "2.60.0"
 DEFAULT_IMAGE = "pdserve:0.1.0"  # built from this repository: Ray 2.60, vLLM, NIXL and pdserve installed
 REGISTRY = "registry"  # the application's ingress deployment (cluster/registry.py)
-# Ray starts its workers at niceness 15, below its own daemons and anything else on the node. pdserve's
-# replicas are the serving path (the router's event loop; the engine host and its engine-core process, which
-# inherits the niceness): at 15 they lose every contended core, and the engine steps slower. A worker reads
-# this from its environment when it starts.
-SERVING_PRIORITY_ENV = {"RAY_worker_niceness": "0"}
 TOPOLOGY_KEY = "topology"  # the registry's user_config key holding the deployed topology
 
 
@@ -75,8 +70,8 @@ def compile_serve_config(
     if serve_router:
         deployments.append(router_deployment_config(topo.server))
     for deployment in deployments:
-        # The serving path only. Not the registry (control plane): its actor options come from its code
-        # (cluster/serve_app.py, no CPU), and any options here would replace them.
+        # Not the registry: its actor options come from its code (cluster/serve_app.py, with no CPU and the
+        # same priority), and any options here would replace them.
         if deployment["name"] != REGISTRY:
             runtime_env = deployment["ray_actor_options"].setdefault("runtime_env", {})
             runtime_env["env_vars"] = {**SERVING_PRIORITY_ENV, **runtime_env.get("env_vars", {})}

@@ -9,9 +9,8 @@ import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
-from cluster.serve_app import engine_spec
+from cluster.serve_app import SERVING_PRIORITY_ENV, build_app, engine_spec
 from cluster.serve_config import (
-    SERVING_PRIORITY_ENV,
     compile_serve_config,
     export_rayservice,
     in_cluster,
@@ -229,8 +228,12 @@ def test_the_serving_replicas_run_at_the_nodes_normal_priority_not_rays_worker_n
     for name in ("prefill", "decode", "router"):
         env = deployments(config)[name]["ray_actor_options"]["runtime_env"]["env_vars"]
         assert env["RAY_worker_niceness"] == "0", name
-    # The registry is control plane, and its actor options (no CPU) are its code's: none here replace them.
+    # The registry's actor options are its code's, none here replace them: no CPU, and the same priority
+    # (its heartbeats keep the replicas routable, so the engines must not starve it).
     assert "ray_actor_options" not in deployments(config)["registry"]
+    registry = build_app({"roles": ["decode"]})._bound_deployment  # the application's ingress
+    assert registry.name == "registry"
+    assert registry.ray_actor_options == {"num_cpus": 0, "runtime_env": {"env_vars": SERVING_PRIORITY_ENV}}
     # The engine pools keep their engine spec beside it.
     assert ENGINE_SPEC_ENV in deployments(config)["decode"]["ray_actor_options"]["runtime_env"]["env_vars"]
 
