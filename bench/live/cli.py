@@ -243,17 +243,23 @@ async def measure(args: argparse.Namespace, address: str) -> tuple[Served, str, 
         )
         runs, described = _runs(args, workload)
         print(f"pdserve bench: {address} ({served.model}), {described}, mode {args.mode}", flush=True)
-        for warm in workload.requests(args.warmup, seed=args.seed + 10_000):
-            await target.send(warm, args.timeout)
+        counts = await target.engine_counts()
+        warmed = [
+            await target.send(w, args.timeout)
+            for w in workload.requests(args.warmup, seed=args.seed + 10_000)
+        ]
+        # The engines' counters reach the cluster's status with a heartbeat: a run's window starts once they
+        # count the warm-up, or the run's would be read early, mid-request (KV bytes moved, tokens not yet).
+        before = await counted(target, counts, sum(t.ok for t in warmed))
         results = []
         for label, count, run in runs:
             progress = Progress(label, count)
-            before = await target.engine_counts()
             timed, seconds, offered = await run(target.send, progress)
             progress.close()
             after = await counted(target, before, sum(t.ok for t in timed))
             r = summarize(label, offered, timed, seconds, args.slo, engines=(before, after))
             results.append(r)
+            before = after
             print(
                 f"  {label}: {r.throughput_rps:.2f} req/s, TTFT p99 {1e3 * r.ttft_s['p99']:.0f} ms, "
                 f"goodput {r.goodput_rps:.2f} req/s ({r.goodput_share:.0%})"

@@ -340,3 +340,51 @@ def test_speculation_and_kv_bytes_are_read_from_the_decode_engines_counters_once
     assert fresh.speculation_since(fresh) is None and fresh.kv_bytes_per_token_since(fresh) is None
     plain = summarize("x", None, [Timed(sent=0.0, end=1.0)], 1.0, Slo(ttft_s=1.0, tpot_s=0.1))
     assert table([plain]).splitlines()[1].endswith(" -        -")
+
+
+def test_a_runs_engine_counters_start_once_the_warm_up_is_counted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cluster reports its engines' counters a heartbeat late. Read at once after the warm-up, they
+    would miss it; the run's window would then close early, while its last request had moved its KV bytes
+    but not yet counted its tokens. A warm-up request here moves 1024 bytes a token and a run's 512."""
+    import asyncio
+
+    from bench.live import cli, targets
+    from bench.live.targets import EngineCounts, Served
+    from bench.token_path_cpu import _bench_args
+
+    monkeypatch.setattr(targets, "HEARTBEAT_S", 0.04)
+
+    class LaggingTarget:
+        address = "lagging"
+
+        def __init__(self) -> None:
+            self.sent = 0
+            self.reported = EngineCounts(
+                finished=0, spec_drafts=0, spec_draft_tokens=0, spec_accepted_tokens=0
+            )
+
+        async def served(self) -> Served:
+            return Served(model="m", max_model_len=4096)
+
+        async def engine_counts(self) -> EngineCounts:
+            # What the last heartbeat carried; this reading brings the next one, with everything sent since.
+            shown, tokens = self.reported, 100 * self.sent
+            warm = min(self.sent, 2)
+            self.reported = EngineCounts(
+                finished=self.sent, spec_drafts=0, spec_draft_tokens=0, spec_accepted_tokens=0,
+                kv_tokens_received=tokens, kv_bytes_received=100 * (1024 * warm + 512 * (self.sent - warm)),
+            )  # fmt: skip
+            return shown
+
+        async def send(self, req: object, timeout_s: float) -> Timed:
+            self.sent += 1
+            await asyncio.sleep(0)
+            return Timed(sent=0.0, first_token=0.01, end=0.02, completion_tokens=1)
+
+        async def aclose(self) -> None:
+            return None
+
+    monkeypatch.setattr(cli, "open_target", lambda *a, **k: LaggingTarget())
+    args = _bench_args(["--mode", "min-latency", "--num-requests", "4", "--warmup", "2"])
+    _, _, (result,) = asyncio.run(cli.measure(args, "lagging"))
+    assert result.kv_bytes_per_token == 512
