@@ -223,6 +223,9 @@ class FaultResult:
     out_of_routing_s: float
     replaced_s: float
     new_request_s: float = float("nan")  # the router fault: until a new client's request succeeds
+    # The router fault: Serve's running routers when that request succeeded (a replacement not among them:
+    # the surviving router served it).
+    routers_at_new_request: frozenset[str] = frozenset()
 
 
 def run_fault(client: PdserveClient, fault: Fault, target: str) -> FaultResult:
@@ -235,10 +238,12 @@ def run_fault(client: PdserveClient, fault: Fault, target: str) -> FaultResult:
         at = time.monotonic()
         fault.inject(victim)
         new_request_s = float("nan")
+        routers_then: frozenset[str] = frozenset()
         if fault.role == "router":  # nothing routes to a router: "out of routing" does not apply
             out_of_routing_s = float("nan")
             wait_for(lambda: a_new_request_succeeds(target), 60, "a new request to succeed")
             new_request_s = time.monotonic() - at
+            routers_then = frozenset(serve_replicas("router"))
             outputs = streams.join()
             wait_for(lambda: routers_replaced(victim), 240, "Serve to replace the router")
             replaced_s = time.monotonic() - at
@@ -257,7 +262,9 @@ def run_fault(client: PdserveClient, fault: Fault, target: str) -> FaultResult:
     router = fault.role == "router"
     moved_note = "the router connection was lost" if router else f"continued after {fault.role} replica"
     moved = sum(isinstance(c, Completion) and moved_note in c.served_by.note for c in outputs)
-    return FaultResult(fault.name, victim, outputs, moved, out_of_routing_s, replaced_s, new_request_s)
+    return FaultResult(
+        fault.name, victim, outputs, moved, out_of_routing_s, replaced_s, new_request_s, routers_then
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

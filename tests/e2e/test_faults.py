@@ -58,6 +58,7 @@ def test_every_stream_survives_a_failure_token_for_token(
     fault: Fault, cluster: RunningCluster, client: PdserveClient, reference: list[list[int]]
 ) -> None:
     engines = {r.replica_id for r in client.cluster_status()}
+    routers = set(serve_replicas("router"))
     result = run_fault(client, fault, cluster.target)
     done = [c for c in result.outputs if isinstance(c, Completion)]
     assert len(done) == len(PROMPTS), [c for c in result.outputs if not isinstance(c, Completion)]
@@ -71,7 +72,10 @@ def test_every_stream_survives_a_failure_token_for_token(
     if fault.role == "router":
         # Every stream was in flight: each one continued on the other router (the SDK's continuation).
         assert result.moved == len(PROMPTS), [c.served_by.note for c in done]
-        assert result.new_request_s < 2.0  # the other router took new requests at once
+        # The other router took new requests: one succeeded before Serve had a replacement running (how
+        # soon is bench/failover.py's figure; on two loaded cores it varies from 1.5 to 4 s).
+        assert result.routers_at_new_request <= routers, (routers, result.routers_at_new_request)
+        assert result.new_request_s < result.replaced_s
         assert result.victim not in serve_replicas("router")  # Serve replaced the router...
         assert {r.replica_id for r in client.cluster_status()} == engines  # ...and no engine restarted
         print(
