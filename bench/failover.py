@@ -153,11 +153,12 @@ def router_when_busy(client: PdserveClient) -> str | None:
     return next((r.router_id for r in client.routers() if r.answering), None)
 
 
-def a_new_request_succeeds(target: str) -> bool | None:
-    """A new client (a new connection, which the kernel gives to a live router) gets an answer."""
+def a_new_request_succeeds(target: str) -> str | None:
+    """A new client (a new connection, which the kernel gives to a live router) gets an answer: the router
+    that gave it."""
     with PdserveClient(target, timeout=10) as fresh:
         fresh.generate_text(prompt="are you there?", max_tokens=1)
-    return True
+        return next((r.router_id for r in fresh.routers() if r.answering), None)
 
 
 def routers_replaced(killed: str) -> bool | None:
@@ -223,9 +224,7 @@ class FaultResult:
     out_of_routing_s: float
     replaced_s: float
     new_request_s: float = float("nan")  # the router fault: until a new client's request succeeds
-    # The router fault: Serve's running routers when that request succeeded (a replacement not among them:
-    # the surviving router served it).
-    routers_at_new_request: frozenset[str] = frozenset()
+    new_request_router: str = ""  # the router fault: the router that served that request
 
 
 def run_fault(client: PdserveClient, fault: Fault, target: str) -> FaultResult:
@@ -238,12 +237,12 @@ def run_fault(client: PdserveClient, fault: Fault, target: str) -> FaultResult:
         at = time.monotonic()
         fault.inject(victim)
         new_request_s = float("nan")
-        routers_then: frozenset[str] = frozenset()
+        new_request_router = ""
         if fault.role == "router":  # nothing routes to a router: "out of routing" does not apply
             out_of_routing_s = float("nan")
-            wait_for(lambda: a_new_request_succeeds(target), 60, "a new request to succeed")
+            served = wait_for(lambda: a_new_request_succeeds(target), 60, "a new request to succeed")
             new_request_s = time.monotonic() - at
-            routers_then = frozenset(serve_replicas("router"))
+            new_request_router = str(served)
             outputs = streams.join()
             wait_for(lambda: routers_replaced(victim), 240, "Serve to replace the router")
             replaced_s = time.monotonic() - at
@@ -263,7 +262,7 @@ def run_fault(client: PdserveClient, fault: Fault, target: str) -> FaultResult:
     moved_note = "the router connection was lost" if router else f"continued after {fault.role} replica"
     moved = sum(isinstance(c, Completion) and moved_note in c.served_by.note for c in outputs)
     return FaultResult(
-        fault.name, victim, outputs, moved, out_of_routing_s, replaced_s, new_request_s, routers_then
+        fault.name, victim, outputs, moved, out_of_routing_s, replaced_s, new_request_s, new_request_router
     )
 
 

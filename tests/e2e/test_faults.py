@@ -72,10 +72,9 @@ def test_every_stream_survives_a_failure_token_for_token(
     if fault.role == "router":
         # Every stream was in flight: each one continued on the other router (the SDK's continuation).
         assert result.moved == len(PROMPTS), [c.served_by.note for c in done]
-        # The other router took new requests: one succeeded before Serve had a replacement running (how
-        # soon is bench/failover.py's figure; on two loaded cores it varies from 1.5 to 4 s).
-        assert result.routers_at_new_request <= routers, (routers, result.routers_at_new_request)
-        assert result.new_request_s < result.replaced_s
+        # The other router took new requests: the surviving one served a new client, not a replacement
+        # (how soon is bench/failover.py's figure; on two loaded cores it varies from 1.5 to 4 s).
+        assert result.new_request_router in routers - {result.victim}, (routers, result.new_request_router)
         assert result.victim not in serve_replicas("router")  # Serve replaced the router...
         assert {r.replica_id for r in client.cluster_status()} == engines  # ...and no engine restarted
         print(
