@@ -10,7 +10,8 @@ requests at the client, each after an idle pause:
 - `aggregated` (one decode engine, no prefill pool; `--system aggregated2` for two): a decode step, B cached
   prompts on each engine generating K+1 tokens (the client's time per output token, averaged over the
   batch); a prefill, N new prompt tokens after C of the same session's cached ones, one output token (the
-  client's time to first token less one step);
+  client's time to first token less one step), N within a few tokens of the plan's and never the same count
+  twice (`_Client.fresh`), as an agent's turns bring;
 - `pd` (every request through the prefill engine and a NIXL pull): the time to first token of N new tokens,
   less the aggregated fit's prefill and step: what the prefill hop and the pull add;
 - `aggregated2` (two decode engines, one a core, so nothing is left for the serving layer but the engines'
@@ -79,9 +80,22 @@ class _Client:
         self.engines = engines  # decode replicas: the router spreads a batch's requests over them
         self._rng = random.Random(0)
         self._ids = itertools.count()
+        self._counts: set[int] = set()
 
     def prompt(self, n: int) -> list[int]:
         return [self._rng.randint(*TOKEN_RANGE) for _ in range(n)]
+
+    def fresh(self, n: int, most: int) -> int:
+        """A count of new tokens as near `n` as no earlier timed prompt of this client has used (n, n+1, n-1,
+        ...; at most `most`). vLLM on a CPU runs an engine step of a token count it has not run lately about
+        a third slower (docs/benchmarks.md, "The replay against the live cluster"), and an agent's turn
+        almost never brings a count it has: timing one size over and over would time warm steps only."""
+        for k in range(max(n, most)):
+            for count in (n + k, n - k):
+                if 1 <= count <= most and count not in self._counts:
+                    self._counts.add(count)
+                    return count
+        raise ValueError(f"no unused token count in 1..{most}")
 
     def session(self) -> str:
         return f"timing-{next(self._ids)}"
@@ -110,7 +124,7 @@ async def _ttft_s(client: _Client, new: int, cached: int) -> float:
     if cached:
         await client.send(head, 1, session)  # the session's replica now holds it
     await asyncio.sleep(IDLE_S)
-    ttft, _ = await client.send(head + client.prompt(new), 1, session)
+    ttft, _ = await client.send(head + client.prompt(client.fresh(new, client.room - cached)), 1, session)
     return ttft
 
 
@@ -166,7 +180,8 @@ async def _contended_s(client: _Client, others: int, repeats: int) -> tuple[floa
             session, head = client.session(), client.prompt(256)
             await client.send(head, 1, session)
             await asyncio.sleep(IDLE_S)
-            first, per_token = await client.send(head + client.prompt(32), 33, session)
+            new = client.prompt(client.fresh(32, client.room - 256 - 33))
+            first, per_token = await client.send(head + new, 33, session)
             ttft.append(first)
             tpot.append(per_token)
     finally:

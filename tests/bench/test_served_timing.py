@@ -146,3 +146,17 @@ def test_a_decode_point_timed_beside_another_engines_batch_is_fitted_at_what_it_
     _, fitted = fit_served({"decode": decode, "ttft": ttft}, pd, contention)
     assert fitted.decode_step_s == pytest.approx(0.003) and fitted.decode_seq_s == pytest.approx(0.0005)
     assert fitted.decode_contention == pytest.approx(0.5)
+
+
+def test_timed_prompts_never_repeat_a_token_count_and_stay_near_the_planned_one() -> None:
+    # vLLM on a CPU steps a token count it has run lately faster than a new one, and agents' turns bring
+    # new ones: repeats of one planned size must not all time the warm case.
+    target = _Recorder()
+    client = _Client(target, max_model_len=2048)  # type: ignore[arg-type]
+    for _ in range(5):
+        asyncio.run(_ttft_s(client, new=32, cached=64))
+    timed = [len(r.token_ids) - 64 for r in target.sent[1::2]]
+    assert sorted(timed) == [30, 31, 32, 33, 34]
+    # Near the context's end the counts go down only.
+    edge = [client.fresh(2040, 2040) for _ in range(3)]
+    assert edge == [2040, 2039, 2038]
