@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -261,7 +262,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--traces-dir", type=Path, default=DEFAULT_TRACES_DIR)
     p.add_argument("--live", type=Path, default=None, help="a `pdserve bench --json` report of this run")
-    p.add_argument("--json", type=Path, default=None, help="write the comparison here")
+    p.add_argument(
+        "--json",
+        type=Path,
+        default=None,
+        help="write the comparison here, and a live run's report beside it (NAME.live.json, for --live)",
+    )
     return p
 
 
@@ -323,6 +329,8 @@ def _live_report(args: argparse.Namespace, topo_file: Path, tmp: Path) -> dict[s
     if code != 0 or not out.exists():
         print(f"the live run failed (pdserve bench exit {code})", file=sys.stderr)
         return None
+    if args.json is not None:  # so the same live run can be replayed again with another timing
+        shutil.copyfile(out, args.json.with_suffix(".live.json"))
     return json.loads(out.read_text())  # type: ignore[no-any-return]
 
 

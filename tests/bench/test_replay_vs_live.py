@@ -221,3 +221,34 @@ def test_with_contention_a_turn_is_slower_while_another_runs_elsewhere_and_not_a
     assert contended[0].ttft == pytest.approx(prefill + 1.5 * (first.ttft - prefill))
     assert contended[1].ttft == pytest.approx(1.5 * second.ttft)
     assert all(c.tpot > q.tpot for c, q in zip(contended, quiet, strict=True))  # type: ignore[operator]
+
+
+def test_a_live_run_is_kept_beside_the_comparison_to_replay_again_with_another_timing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    timing = tmp_path / "timing.json"
+    timing.write_text(json.dumps({"fit": msgspec.to_builtins(FIT)}))
+    systems = ["aggregated2", "aggregated2:round_robin"]
+    report = {
+        "systems": {
+            s: {"model": {"max_model_len": 2048}, "results": [_live_result(0.02, 0.004, 0.8, 1.0)]}
+            for s in systems
+        }
+    }
+    runs: list[list[str]] = []
+
+    def live_bench(argv: list[str]) -> int:  # stands in for `pdserve bench --side-by-side ... --json OUT`
+        runs.append(argv)
+        Path(argv[argv.index("--json") + 1]).write_text(json.dumps(report))
+        return 0
+
+    monkeypatch.setattr("bench.replay_vs_live.live_cli.main", live_bench)
+    argv = ["--timing", str(timing), "--systems", ",".join(systems), "--sessions", "4", "--max-turns", "4"]
+    first = tmp_path / "cmp.json"
+    assert main([*argv, "--json", str(first)]) == 0
+    kept = tmp_path / "cmp.live.json"
+    assert json.loads(kept.read_text()) == report
+    again = tmp_path / "again.json"
+    assert main([*argv, "--live", str(kept), "--json", str(again)]) == 0
+    assert len(runs) == 1  # the second comparison replayed the kept run instead of running live
+    assert json.loads(again.read_text())["live"] == json.loads(first.read_text())["live"]
