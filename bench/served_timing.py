@@ -87,8 +87,8 @@ class _Client:
 
     def fresh(self, n: int, most: int) -> int:
         """A count of new tokens as near `n` as no earlier timed prompt of this client has used (n, n+1, n-1,
-        ...; at most `most`). vLLM on a CPU runs an engine step of a token count it has not run lately about
-        a third slower (docs/benchmarks.md, "The replay against the live cluster"), and an agent's turn
+        ...; at most `most`). vLLM on a CPU runs an engine step of a token count it has not run lately about a
+        fifth slower (docs/benchmarks.md, "The replay against the live cluster"), and an agent's turn
         almost never brings a count it has: timing one size over and over would time warm steps only."""
         for k in range(max(n, most)):
             for count in (n + k, n - k):

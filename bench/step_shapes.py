@@ -1,6 +1,6 @@
 """A vLLM engine's prefill at token counts it has run before against counts it has not, in one process.
 
-    .venv/bin/python -m bench.step_shapes [--tokens 1500] [--prompts 40]
+    .venv/bin/python -m bench.step_shapes [--tokens 1500] [--prompts 40] [--rounds 2]
 
 On a CPU, vLLM's linear layers run through oneDNN with a primitive per layer and per token count (a cache of
 32), and an engine step of a count it has not run lately is slower. An agent's turns almost never repeat a
@@ -19,6 +19,8 @@ import random
 import statistics
 import time
 
+from engine.tiny_model import default_max_model_len, ensure_tiny_model
+
 
 def fresh_counts(tokens: int, prompts: int, round_: int) -> list[int]:
     """Round `round_`'s counts: `prompts` counts above `tokens` that no other round uses."""
@@ -32,18 +34,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=40)
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args(argv)
-    if args.tokens + args.rounds * args.prompts > 2040:
-        ap.error("--tokens + --rounds * --prompts must stay within the tiny model's 2048-token context")
+    context = default_max_model_len()
+    if args.tokens + args.rounds * args.prompts > context - 8:
+        ap.error(f"--tokens + --rounds * --prompts must stay within the tiny model's {context}-token context")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "1")
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from engine.tiny_model import ensure_tiny_model
-
-    llm = LLM(
-        model=str(ensure_tiny_model()), dtype="float32", enforce_eager=True, max_model_len=2048, block_size=32
-    )
+    model = str(ensure_tiny_model())
+    llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=context, block_size=32)
     rng = random.Random(0)
     once = SamplingParams(max_tokens=1, ignore_eos=True)
 
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         llm.generate([TokensPrompt(prompt_token_ids=ids)], once, use_tqdm=False)
         return (time.perf_counter() - t0) * 1e3
 
-    prefill_ms(2040)  # the longest step first: what is left is the count, not a first-time size
+    prefill_ms(context - 8)  # the longest step first: what is left is the count, not a first-time size
     print(f"{'round':>5} {'same count, mean ms':>20} {'fresh counts, mean ms':>22} {'ratio':>6}")
     for r in range(args.rounds):
         same = statistics.mean(prefill_ms(args.tokens) for _ in range(args.prompts))
