@@ -1,4 +1,4 @@
-"""bench/step_shapes.py: the counts it times as fresh are fresh (the timing runs vLLM: minutes, by hand)."""
+"""bench/step_shapes.py: the counts it times as fresh are fresh (it times real engines: minutes, by hand)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,6 @@ def test_every_round_times_counts_no_round_and_not_the_repeated_size_used() -> N
     assert 1500 not in seen and min(seen) == 1501
 
 
-def test_counts_past_the_tiny_models_context_are_refused_before_an_engine_starts() -> None:
+def test_counts_past_the_models_context_are_refused_before_an_engine_starts() -> None:
     with pytest.raises(SystemExit):
         main(["--tokens", "2000", "--prompts", "40"])
