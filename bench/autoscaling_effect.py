@@ -80,7 +80,6 @@ def pool_scaling(topo: Topology, role: str, fixed: int, warm: int, start_s: floa
         min_replicas=scaling.min_replicas,
         max_replicas=scaling.max_replicas,
         window_s=scaling.window_s,
-        downscale_delay_s=scaling.downscale_delay_s,
         start_s=start_s,
     )
 

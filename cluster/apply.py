@@ -325,7 +325,7 @@ def _size(deployment: dict[str, Any]) -> int | str:
     bounds = f"{auto['min_replicas']}..{auto['max_replicas']}"
     return (
         f"autoscaled {bounds} replicas (warm {targets['warm_replicas']}, window"
-        f" {auto['look_back_period_s']:g} s, scale-down delay {auto['downscale_delay_s']:g} s{shown})"
+        f" {auto['look_back_period_s']:g} s, scale-down delay {targets['hold_s']:g} s{shown})"
     )
 
 

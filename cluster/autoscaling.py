@@ -6,11 +6,16 @@ Who does what:
    routers have queued on it (their estimated prefill seconds, which the registry hands back at each
    heartbeat).
 2. Serve's controller averages each signal over the pool's `window_s` and asks `PoolPolicy`, the pool's
-   custom autoscaling policy, how many replicas it wants; Serve then applies min/max and
-   `downscale_delay_s`, starts replicas, and stops the ones it scales away. A stopping replica drains
-   (engine/replica.py `__del__`): it tells the routers to stop sending, then finishes its legs and transfers.
-3. `needed_replicas` is the one formula. The replay (bench/replay/autoscaler.py) calls it with the same
-   signals read from its simulated replicas, so a replayed deployment scales as a live one does.
+   custom autoscaling policy, how many replicas it wants; Serve then applies min/max, starts replicas, and
+   stops the ones it scales away. A stopping replica drains (engine/replica.py `__del__`): it tells the
+   routers to stop sending, then finishes its legs and transfers.
+3. The policy answers the most the pool needed over the last `downscale_delay_s` (`HeldNeed`), not the
+   latest need: a pool scales up at once, and down only to what the recent peak needed, never to a lull
+   between two busy minutes (Serve's own delay would drop to whatever the latest answer is once every
+   answer for the delay was lower). So Serve's `downscale_delay_s` is 0: the hold is the delay.
+4. `needed_replicas` and `HeldNeed` are the one formula. The replay (bench/replay/autoscaler.py) calls them
+   with the same signals read from its simulated replicas, so a replayed deployment scales as a live one
+   does.
 
 The formula, for a pool whose replicas report window-mean loads (sums over its running replicas):
     prefill: need = sum busy / BUSY_TARGET
@@ -18,12 +23,15 @@ The formula, for a pool whose replicas report window-mean loads (sums over its r
                       / (TTFT SLO + mean start_s)
     decode:  need = max(sum kv_usage / kv target, sum (running + waiting) / sequence target,
                         replicas x mean step_s / TPOT SLO)
-    wanted = ceil(need) + warm_replicas, within min_replicas..max_replicas
+    wanted = ceil(the most `need` over the last downscale_delay_s) + warm_replicas,
+             within min_replicas..max_replicas
 """
 
 from __future__ import annotations
 
 import math
+import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -34,7 +42,7 @@ from engine.messages import ReplicaLoad, Role
 
 # The share of the window a prefill replica may be busy: short of it even with a short queue, it has no room
 # for the next burst.
-BUSY_TARGET = 0.9
+BUSY_TARGET = 0.85
 QUEUE_SHARE_OF_TTFT = 0.25
 KV_USAGE = 0.8
 POLICY_IMPORT_PATH = "cluster.autoscaling:PoolPolicy"
@@ -50,6 +58,7 @@ class ScaleTargets(msgspec.Struct, frozen=True, kw_only=True):
     kv_usage: float = KV_USAGE
     running_seqs: float | None = None  # decode: None: no target on sequences
     tpot_s: float = 0.05
+    hold_s: float = 300.0  # the topology's downscale_delay_s: how long a need is held (`HeldNeed`)
 
 
 def scale_targets(topo: Topology, role: Role) -> ScaleTargets:
@@ -68,6 +77,7 @@ def scale_targets(topo: Topology, role: Role) -> ScaleTargets:
         kv_usage=scaling.kv_usage or KV_USAGE,
         running_seqs=seqs,
         tpot_s=topo.router.tpot_slo_ms / 1e3,
+        hold_s=scaling.downscale_delay_s,
     )
 
 
@@ -91,9 +101,27 @@ def needed_replicas(targets: ScaleTargets, loads: Sequence[ReplicaLoad]) -> floa
     return need
 
 
-def wanted_replicas(targets: ScaleTargets, loads: Sequence[ReplicaLoad]) -> int:
-    """`needed_replicas` rounded up, plus the warm buffer (the bounds and delays are applied after)."""
-    return math.ceil(needed_replicas(targets, loads) - 1e-9) + targets.warm_replicas
+class HeldNeed:
+    """The most a pool needed over the last `hold_s` seconds: a sliding-window maximum, kept as the
+    (time, need) samples that may still become the maximum (each newer one is smaller)."""
+
+    def __init__(self, hold_s: float, peaks: Sequence[Sequence[float]] = ()) -> None:
+        self.hold_s = hold_s
+        self.peaks: deque[tuple[float, float]] = deque((t, n) for t, n in peaks)
+
+    def add(self, now: float, need: float) -> float:
+        """Record the latest need; the most over the last `hold_s`, this one included."""
+        while self.peaks and self.peaks[-1][1] <= need:
+            self.peaks.pop()
+        self.peaks.append((now, need))
+        while self.peaks[0][0] < now - self.hold_s:
+            self.peaks.popleft()
+        return self.peaks[0][1]
+
+
+def wanted_replicas(targets: ScaleTargets, need: float) -> int:
+    """A (held) need rounded up, plus the warm buffer (the bounds are applied after)."""
+    return math.ceil(need - 1e-9) + targets.warm_replicas
 
 
 class PoolPolicy:
@@ -104,12 +132,20 @@ class PoolPolicy:
         self.targets = msgspec.convert(targets, ScaleTargets)
 
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
+        now = time.time() if ctx.current_time is None else ctx.current_time
+        state = dict(ctx.policy_state)
+        if "pdserve_peaks" not in state:
+            # The count the pool starts with is held as if needed: a quiet first minute does not drain
+            # what the next one may need.
+            state["pdserve_peaks"] = [[now, max(0, ctx.target_num_replicas - self.targets.warm_replicas)]]
         loads = replica_loads(ctx.aggregated_metrics or {}, ctx.running_replicas)
         if not loads:  # nothing running has reported yet (all starting): keep the target
-            return ctx.target_num_replicas, ctx.policy_state
-        wanted = wanted_replicas(self.targets, loads)
-        state = dict(ctx.policy_state)
-        state["pdserve_need"] = round(needed_replicas(self.targets, loads), 3)
+            return ctx.target_num_replicas, state
+        need = needed_replicas(self.targets, loads)
+        held = HeldNeed(self.targets.hold_s, state["pdserve_peaks"])
+        wanted = wanted_replicas(self.targets, held.add(now, need))
+        state["pdserve_peaks"] = [list(p) for p in held.peaks]
+        state["pdserve_need"] = round(need, 3)
         return wanted, state
 
 
@@ -136,7 +172,7 @@ def serve_autoscaling_config(topo: Topology, role: Role) -> dict[str, Any]:
         "metrics_interval_s": min(10.0, scaling.window_s / 5),
         # The window already smooths the load: a burst is met as soon as the window's mean shows it.
         "upscale_delay_s": 0.0,
-        "downscale_delay_s": scaling.downscale_delay_s,
+        "downscale_delay_s": 0.0,  # the policy holds each need for the topology's delay (`HeldNeed`)
         "policy": {
             "policy_function": POLICY_IMPORT_PATH,
             "policy_kwargs": msgspec.to_builtins(scale_targets(topo, role)),

@@ -121,14 +121,15 @@ class Autoscaling(_Config, frozen=True, kw_only=True):
     # Prefill only: the queued prefill seconds a replica may hold, as a share of router.ttft_slo_ms
     # (default 0.25: a prompt waits at most a quarter of its budget behind others).
     queue_share_of_ttft: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
-    # Decode only: the KV usage (default 0.8) and running sequences (default: 3/4 of engine.max_num_seqs when
-    # set) a replica may hold; its step time is held to router.tpot_slo_ms.
+    # Decode only: the KV usage (default 0.8) and running sequences (default: engine.max_num_seqs when set) a
+    # replica may hold; its step time is held to router.tpot_slo_ms.
     kv_usage: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
     running_seqs: PositiveInt | None = None
     # The load is averaged over this window before each decision: a burst shorter than a replica's start is
     # the warm buffer's to absorb, not a reason to start one.
     window_s: PositiveFloat = 60.0
-    # Lower load must last this long before replicas are drained (a burst's lull is not a quiet).
+    # Each need is held this long: the pool scales down only to the most it needed over this stretch (a
+    # burst's lull is not a quiet).
     downscale_delay_s: NonNegativeFloat = 300.0
 
 

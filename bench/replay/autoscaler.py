@@ -3,9 +3,10 @@ replicas' loads, as Serve's controller runs it, with a replica's start time.
 
 Every `tick_s` of virtual time (the replicas' metrics push) each autoscaled pool samples its replicas'
 `ReplicaLoad` (Simulator.replica_load: what engine/replica.py reports), averages each replica's samples over
-the pool's window, and asks `wanted_replicas`. Then, as Serve does with a custom policy's answer: bounded by
-min/max; up at once; down only once every answer for `downscale_delay_s` asked for fewer, to the latest
-answer. A started replica takes routes after `start_s` (and costs from its start); a stopped one drains
+the pool's window, and asks the policy's formula (`needed_replicas`, held by `HeldNeed` over the pool's
+`downscale_delay_s`, seeded with the count it starts with, as `PoolPolicy` does). Then, as Serve does with
+its delays at 0 (cluster/autoscaling.py `serve_autoscaling_config`): bounded by min/max, up or down at once
+to the answer. A started replica takes routes after `start_s` (and costs from its start); a stopped one drains
 first: routers stop sending, it finishes what it holds, then it is gone. Serve stops replicas still starting
 before running ones; of running ones this stops the least loaded.
 """
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from bench.replay.sim import PrefillServer, Simulator
-from cluster.autoscaling import ScaleTargets, wanted_replicas
+from cluster.autoscaling import HeldNeed, ScaleTargets, needed_replicas, wanted_replicas
 from engine.messages import ReplicaLoad
 
 
@@ -29,7 +30,6 @@ class PoolScaling:
     min_replicas: int
     max_replicas: int
     window_s: float
-    downscale_delay_s: float
     start_s: float  # from a replica's start to its first route: actor, weights, engine init, compile
 
 
@@ -46,7 +46,7 @@ class PoolAutoscaler:
         self.sim, self.pool, self.tick_s = sim, pool, tick_s
         servers = sim.prefill if pool.role == "prefill" else sim.decode
         self.replicas = [_Replica(s, ready=True) for s in servers]
-        self._lower_since: float | None = None
+        self.held = HeldNeed(pool.targets.hold_s, [(sim.now, float(len(servers)))])
         self.history: list[tuple[float, int]] = [(0.0, len(self.replicas))]  # (time, target) at each change
 
     @property
@@ -67,20 +67,14 @@ class PoolAutoscaler:
         if not loads:
             return
         pool = self.pool
-        wanted = min(max(wanted_replicas(pool.targets, loads), pool.min_replicas), pool.max_replicas)
+        need = self.held.add(now, needed_replicas(pool.targets, loads))
+        wanted = min(max(wanted_replicas(pool.targets, need), pool.min_replicas), pool.max_replicas)
         target = self.target
         if wanted > target:
-            self._lower_since = None
             for _ in range(wanted - target):
                 self._start()
         elif wanted < target:
-            if self._lower_since is None:
-                self._lower_since = now
-            elif now - self._lower_since >= pool.downscale_delay_s:
-                self._lower_since = None
-                self._stop(target - wanted)
-        else:
-            self._lower_since = None
+            self._stop(target - wanted)
         if self.target != self.history[-1][1]:
             self.history.append((now, self.target))
 

@@ -63,11 +63,10 @@ def runs() -> dict[str, Any]:
     trace = burst_trace(quiet_rps=0.5 / prefill_s, burst_rps=2.5 / prefill_s)
     scaling = PoolScaling(
         role="prefill",
-        targets=ScaleTargets(role="prefill", queue_s=1.0, ttft_s=4.0),
+        targets=ScaleTargets(role="prefill", queue_s=1.0, ttft_s=4.0, hold_s=30.0),
         min_replicas=1,
         max_replicas=6,
         window_s=10.0,
-        downscale_delay_s=30.0,
         start_s=20.0,
     )
     return {
@@ -82,7 +81,12 @@ def test_a_burst_scales_the_pool_up_and_the_quiet_after_it_down(runs: dict[str, 
     in_burst = [s for s in sim.prefill if 120 <= s.started <= 240]
     assert len(in_burst) >= 2, "replicas start during the burst"
     stopped = [s for s in sim.prefill if s.stopped is not None]
-    assert all(240 < s.stopped < 600 for s in stopped), "replicas stop in the quiet after it"
+    # Replicas started to drain the burst's backlog may stop before it ends, once the backlog is gone;
+    # what the burst's own rate needs (2.5 replicas' worth) keeps running to its end.
+    assert all(200 < s.stopped < 600 for s in stopped), "replicas stop once the backlog is gone"
+    for t in range(200, 240, 2):
+        serving = [s for s in sim.prefill if s.started + 20.0 <= t and (s.stopped is None or s.stopped > t)]
+        assert len(serving) >= 3, f"at {t} s, during the burst"
     assert len(sim.prefill) - len(stopped) == 1, "down to min_replicas"
     assert len(sim.prefill) <= 6
 

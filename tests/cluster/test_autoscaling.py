@@ -9,13 +9,13 @@ import msgspec
 import pytest
 from ray.serve._private.autoscaling_state import _resolve_policy_callable
 from ray.serve._private.common import DeploymentID, ReplicaID
-from ray.serve._private.constants import SERVE_AUTOSCALING_DECISION_TIMESTAMP_KEY
 from ray.serve.autoscaling_policy import _apply_autoscaling_config
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 from ray.serve.schema import ServeDeploySchema
 
 from cluster.autoscaling import (
     BUSY_TARGET,
+    HeldNeed,
     PoolPolicy,
     ScaleTargets,
     needed_replicas,
@@ -63,14 +63,14 @@ def test_prefill_needs_its_busy_replicas_with_headroom_and_what_drains_its_queue
     # Both busy all the time, the queue within each one's share: short of headroom only.
     busy = [ReplicaLoad(queued_prefill_s=0.4, busy=1.0, start_s=8.0)] * 2
     assert needed_replicas(PREFILL, busy) == pytest.approx(2 / BUSY_TARGET)
-    assert wanted_replicas(PREFILL, busy) == 3
+    assert wanted(PREFILL, busy) == 3
     # 21 s queued where each may hold 0.5 s: the 20 s beyond drain within the TTFT SLO after a new
     # replica's start (2 + 8 s), which takes two more.
     queued = [ReplicaLoad(queued_prefill_s=10.5, busy=1.0, start_s=8.0)] * 2
     assert needed_replicas(PREFILL, queued) == pytest.approx(2 / BUSY_TARGET + 20 / 10)
     # Half busy, no queue: one replica is enough.
-    assert wanted_replicas(PREFILL, [ReplicaLoad(busy=0.45)] * 2) == 1
-    assert wanted_replicas(PREFILL, [ReplicaLoad(), ReplicaLoad()]) == 0  # idle: the bounds keep the minimum
+    assert wanted(PREFILL, [ReplicaLoad(busy=0.45 * BUSY_TARGET)] * 2) == 1
+    assert wanted(PREFILL, [ReplicaLoad(), ReplicaLoad()]) == 0  # idle: the bounds keep the minimum
 
 
 def test_decode_needs_the_most_of_kv_sequences_and_step_time() -> None:
@@ -85,8 +85,23 @@ def test_decode_needs_the_most_of_kv_sequences_and_step_time() -> None:
 def test_the_warm_buffer_runs_on_top_of_what_the_load_needs() -> None:
     warm = msgspec.structs.replace(DECODE, warm_replicas=2)
     loads = [ReplicaLoad(running=6, step_s=0.02)] * 2  # 12 sequences: exactly 2 replicas
-    assert wanted_replicas(DECODE, loads) == 2
-    assert wanted_replicas(warm, loads) == 4
+    assert wanted(DECODE, loads) == 2
+    assert wanted(warm, loads) == 4
+
+
+def wanted(targets: ScaleTargets, loads: list[ReplicaLoad]) -> int:
+    return wanted_replicas(targets, needed_replicas(targets, loads))
+
+
+def test_a_need_is_held_for_the_scale_down_delay_so_a_lull_drains_nothing() -> None:
+    held = HeldNeed(60.0, [(0.0, 4.0)])  # the pool starts at 4: held as if needed
+    assert held.add(10.0, 1.0) == 4.0
+    assert held.add(59.0, 3.0) == 4.0
+    assert held.add(61.0, 2.0) == 3.0  # the start's 4 is older than the hold; 3 (at 59 s) is the most since
+    assert held.add(70.0, 6.0) == 6.0  # up at once
+    assert held.add(100.0, 1.0) == 6.0  # a lull between two busy minutes
+    assert held.add(131.0, 1.5) == 1.5  # a quiet that lasted the hold
+    assert len(held.peaks) == 1  # only samples that may still be the most are kept
 
 
 def _context(metrics: dict[str, dict[ReplicaID, float]], running: list[ReplicaID], **kw: Any) -> Any:
@@ -108,14 +123,15 @@ def _context(metrics: dict[str, dict[ReplicaID, float]], running: list[ReplicaID
         policy_state=kw.pop("state", {}),
         last_scale_up_time=None,
         last_scale_down_time=None,
-        current_time=None,
+        current_time=kw.pop("now", None),
         config=config,
     )
 
 
-def test_serve_runs_the_policy_at_once_up_and_after_the_delay_down() -> None:
+def test_serve_runs_the_policy_at_once_up_and_down_after_the_peak_is_older_than_the_delay() -> None:
     topo = topology(downscale_delay_s=30)
     config = serve_autoscaling_config(topo, "decode")
+    assert config["downscale_delay_s"] == 0  # the policy holds the need: Serve adds no delay of its own
     policy = _apply_autoscaling_config(_resolve_policy_callable(AutoscalingConfig(**config).policy))
     decode = DeploymentID(name="decode", app_name="pdserve")
     a, b = (ReplicaID(unique_id=u, deployment_id=decode) for u in "ab")
@@ -124,14 +140,24 @@ def test_serve_runs_the_policy_at_once_up_and_after_the_delay_down() -> None:
         return {"running": {a: n, b: n}, "step_s": {a: 0.02, b: 0.02}}
 
     # 2 x 20 sequences / 8 a replica = 5 (+1 warm), at once.
-    wanted, state = policy(_context(seqs(20), [a, b], config=config))
+    wanted, state = policy(_context(seqs(20), [a, b], config=config, now=1000.0))
     assert wanted == 6 and state["pdserve_need"] == pytest.approx(5.0)
-    # Quiet: 1 sequence each needs 1 replica (+1 warm), but only after downscale_delay_s of it.
-    wanted, state = policy(_context(seqs(1), [a, b], config=config, target=6))
+    # Quiet: 1 sequence each needs 1 replica (+1 warm), but only once the peak is older than the delay.
+    wanted, state = policy(_context(seqs(1), [a, b], config=config, target=6, state=state, now=1029.0))
     assert wanted == 6
-    state[SERVE_AUTOSCALING_DECISION_TIMESTAMP_KEY] -= 31  # Serve times the delay with its own clock
-    wanted, _ = policy(_context(seqs(1), [a, b], config=config, target=6, state=state))
+    wanted, _ = policy(_context(seqs(1), [a, b], config=config, target=6, state=state, now=1031.0))
     assert wanted == 2
+
+
+def test_the_count_a_pool_starts_with_is_held_for_the_delay() -> None:
+    config = serve_autoscaling_config(topology(downscale_delay_s=30), "decode")
+    policy = PoolPolicy(**config["policy"]["policy_kwargs"])
+    a = ReplicaID(unique_id="a", deployment_id=DeploymentID(name="decode", app_name="pdserve"))
+    idle = {"running": {a: 0.0}}
+    # Started at 4 (3 + 1 warm): an idle first answer keeps 3 needed until the delay has passed.
+    wanted, state = policy(_context(idle, [a], config=config, target=4, now=0.0))
+    assert wanted == 4
+    assert policy(_context(idle, [a], config=config, target=4, state=state, now=31.0))[0] == 1
 
 
 def test_replicas_that_have_not_reported_hold_the_target() -> None:
