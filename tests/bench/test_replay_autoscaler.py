@@ -125,3 +125,16 @@ def test_the_azure_trace_ships_with_the_repository_and_copies_raise_its_rate() -
     three = load_azure(DEFAULT_TRACES_DIR / AZURE_FILE, max_requests=200, copies=3)
     assert three.num_requests() == 600 and three.unique_blocks() == 3 * one.unique_blocks()
     assert max(r.arrival_s for r in three.requests()) < max(arrivals) + 60
+
+
+def test_a_warm_pool_starts_at_its_count_without_adding_a_replica_for_its_buffer() -> None:
+    prefill_s = TIMING.prefill_s(PROMPT, 0)
+    trace = burst_trace(quiet_rps=0.5 / prefill_s, burst_rps=2.5 / prefill_s)
+    targets = ScaleTargets(role="prefill", queue_s=1.0, ttft_s=4.0, hold_s=30.0, warm_replicas=1)
+    scaling = PoolScaling(
+        role="prefill", targets=targets, min_replicas=1, max_replicas=6, window_s=10.0, start_s=20.0
+    )
+    sim = simulate(trace, 2, [scaling])
+    # The quiet needs one replica: with one warm beside it, the two it starts with are the answer, as the
+    # live policy seeds them (the count less the buffer is held as needed).
+    assert [s.started for s in sim.prefill if s.started < 120.0] == [0.0, 0.0]
