@@ -109,6 +109,12 @@ class HeldNeed:
         self.hold_s = hold_s
         self.peaks: deque[tuple[float, float]] = deque((t, n) for t, n in peaks)
 
+    @classmethod
+    def starting(cls, targets: ScaleTargets, now: float, replicas: int) -> HeldNeed:
+        """A pool's hold as it starts: the count it starts with, less its warm buffer, is held as needed, so
+        a quiet first minute does not drain what the next one may need."""
+        return cls(targets.hold_s, [(now, float(max(0, replicas - targets.warm_replicas)))])
+
     def add(self, now: float, need: float) -> float:
         """Record the latest need; the most over the last `hold_s`, this one included."""
         while self.peaks and self.peaks[-1][1] <= need:
@@ -135,9 +141,8 @@ class PoolPolicy:
         now = time.time() if ctx.current_time is None else ctx.current_time
         state = dict(ctx.policy_state)
         if "pdserve_peaks" not in state:
-            # The count the pool starts with is held as if needed: a quiet first minute does not drain
-            # what the next one may need.
-            state["pdserve_peaks"] = [[now, max(0, ctx.target_num_replicas - self.targets.warm_replicas)]]
+            start = HeldNeed.starting(self.targets, now, ctx.target_num_replicas)
+            state["pdserve_peaks"] = [list(p) for p in start.peaks]
         loads = replica_loads(ctx.aggregated_metrics or {}, ctx.running_replicas)
         if not loads:  # nothing running has reported yet (all starting): keep the target
             return ctx.target_num_replicas, state

@@ -46,9 +46,7 @@ class PoolAutoscaler:
         self.sim, self.pool, self.tick_s = sim, pool, tick_s
         servers = sim.prefill if pool.role == "prefill" else sim.decode
         self.replicas = [_Replica(s, ready=True) for s in servers]
-        # As PoolPolicy seeds it: the count the pool starts with, less its warm buffer, is held as needed.
-        start = max(0, len(servers) - pool.targets.warm_replicas)
-        self.held = HeldNeed(pool.targets.hold_s, [(sim.now, float(start))])
+        self.held = HeldNeed.starting(pool.targets, sim.now, len(servers))  # as PoolPolicy starts it
         self.history: list[tuple[float, int]] = [(0.0, len(self.replicas))]  # (time, target) at each change
 
     @property
