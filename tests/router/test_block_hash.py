@@ -5,6 +5,7 @@ import random
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from router.block_hash import HASHED, SessionHasher, hash_blocks
@@ -46,6 +47,31 @@ def test_parent_continues_the_chain() -> None:
 def test_accepts_any_int_sequence() -> None:
     toks = _tokens(48)
     assert hash_blocks(tuple(toks), 16) == hash_blocks(toks, 16) == hash_blocks(iter(toks), 16)  # type: ignore[arg-type]
+
+
+def test_a_long_prompt_hashes_as_block_by_block() -> None:
+    # Long prompts take numpy's cumulative form of the chain, short ones a loop: the same hashes, and the
+    # same across the switch and from any parent.
+    toks = _tokens(16 * 300 + 5)
+    stepwise: list[int] = []
+    for i in range(300):
+        stepwise += hash_blocks(toks[16 * i : 16 * (i + 1)], 16, stepwise[-1] if stepwise else None)
+    assert hash_blocks(toks, 16) == stepwise
+    for n in (63, 64, 65):
+        assert hash_blocks(toks[: 16 * n], 16) == stepwise[:n]
+    assert hash_blocks(toks[16 * 100 :], 16, parent=stepwise[99]) == stepwise[100:]
+
+
+def test_a_numpy_array_hashes_as_its_list() -> None:
+    toks = _tokens(16 * 70)
+    assert hash_blocks(np.array(toks, dtype=np.uint32), 16) == hash_blocks(toks, 16)
+
+
+def test_swapped_blocks_differ() -> None:
+    a, b = _tokens(16, seed=1), _tokens(16, seed=2)
+    filler = _tokens(16 * 80, seed=3)
+    one, two = hash_blocks(a + b + filler, 16), hash_blocks(b + a + filler, 16)
+    assert not set(one[1:]) & set(two[1:])
 
 
 def test_independent_of_pythonhashseed() -> None:
