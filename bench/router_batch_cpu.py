@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import inspect
 import json
 import os
 import socket
@@ -101,6 +102,10 @@ async def _serve_and_measure(port: int, requests: int, batches: int, tokens: int
     view = ClusterView(StandInRegistry(), block_size=32)
     await view.refresh()
     metrics = RouterMetrics()
+    # Intake takes the index's block size since 2026-12-06; an earlier revision measured may not.
+    sized: dict[str, Any] = (
+        {"block_size": 32} if "block_size" in inspect.signature(PromptIntake).parameters else {}
+    )
     path = GeneratePath(
         intake=PromptIntake(
             tokenizer=tokenizer,
@@ -108,6 +113,7 @@ async def _serve_and_measure(port: int, requests: int, batches: int, tokens: int
             parsers=OutputParsers(tokenizer.hf_tokenizer, None, None),
             limits=ModelLimits(served_name="tiny-llama", max_model_len=2048, vocab_size=tokenizer.vocab_size),
             metrics=metrics,
+            **sized,
         ),
         decider=Decider(
             view=view, policy=PdservePolicy(), block_size=32, has_prefill_pool=False, config=LiveConfig()

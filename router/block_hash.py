@@ -92,15 +92,17 @@ def _equal_blocks_from(prev: list[int], token_ids: list[int], start: int, stop: 
 
 
 class _SessionEntry:
-    __slots__ = ("digest", "hashes", "n_full", "shares_objects", "tokens")
+    __slots__ = ("digest", "digest_wanted", "hashes", "n_full", "tokens")
 
-    def __init__(self, tokens: list[int], n_full: int, hashes: list[int], shares_objects: bool) -> None:
+    def __init__(self, tokens: list[int], n_full: int, hashes: list[int], digest_wanted: bool) -> None:
         self.tokens = tokens  # the previous turn's prompt; its first `n_full` tokens fill whole blocks
         self.n_full = n_full
         self.hashes = hashes
-        # This turn's ids were the previous turn's int objects (the incremental chat encoder's): the next
-        # turn's check will be an identity compare, so `seal` need not compute a digest.
-        self.shares_objects = shares_objects
+        # Whether `seal` computes a digest. Not when this turn's ids were the previous turn's int objects
+        # (the incremental chat encoder's: the next check is an identity compare), nor when intake hashed
+        # the prompt (the next turn comes hashed too or with a reuse hint; a short token-id turn that does
+        # neither compares the lists, as before a turn is sealed).
+        self.digest_wanted = digest_wanted
         # hash(tuple(tokens)), computed by `SessionHasher.seal` once the turn's decision is made.
         self.digest: int | None = None
 
@@ -142,18 +144,32 @@ class SessionHasher:
         self.hashed_blocks = 0
 
     def hash(
-        self, session_id: str | None, token_ids: Sequence[int], reuse_hint: PromptReuse | None = None
+        self,
+        session_id: str | None,
+        token_ids: Sequence[int],
+        reuse_hint: PromptReuse | None = None,
+        hashed: list[int] | None = None,
     ) -> list[int]:
         """Block hashes of `token_ids` (same result as `hash_blocks(token_ids, block_size)`).
 
         With a session, `token_ids` (when a list) is kept by reference for the next turn's comparison:
         the caller must not mutate it afterwards (a prompt's token list never is). `reuse_hint`, when its
         base is the session's previous prompt, vouches for the shared head and replaces the comparison.
-        The returned list is the caller's own."""
+        `hashed`: `hash_blocks(token_ids, block_size)`, computed by the caller (intake, in the thread that
+        tokenized the prompt); it is taken as given, and the session keeps that very list (later turns
+        extend it in place). The returned list is the caller's own."""
         if not isinstance(token_ids, list):
             token_ids = list(token_ids)
         bs = self.block_size
         n_full = len(token_ids) // bs * bs
+        if hashed is not None:
+            if len(hashed) != n_full // bs:
+                raise ValueError(f"{len(hashed)} block hashes for {n_full // bs} full blocks")
+            self.hashed_blocks += len(hashed)
+            if session_id is None:
+                return hashed
+            self._sessions.put(session_id, HASHED, _SessionEntry(token_ids, n_full, hashed, False))
+            return hashed.copy()
         entry = None if session_id is None else self._sessions.get(session_id, HASHED)
         if entry is None:
             reuse, shared = 0, False
@@ -182,16 +198,15 @@ class SessionHasher:
             return own
         # The session keeps its own list of the hashes (the caller may mutate what it gets back), and the
         # tokens by reference (a copy of a long prompt would cost as much as the comparison).
-        self._sessions.put(session_id, HASHED, _SessionEntry(token_ids, n_full, own, shared))
+        self._sessions.put(session_id, HASHED, _SessionEntry(token_ids, n_full, own, not shared))
         return own.copy()
 
     def seal(self, session_id: str | None) -> None:
         """Store the digest of the session's latest prompt for the next turn's check. Call it after the
         turn's routing decision (its cost, about that of hashing the prompt as one tuple, is off the
-        decision's path). Skipped when the prompt held the previous turn's int objects: that session's next
-        check is an identity compare."""
+        decision's path). Skipped where the next turn's check will not need it (`_SessionEntry`)."""
         entry = None if session_id is None else self._sessions.get(session_id, HASHED)
-        if entry is not None and entry.digest is None and not entry.shares_objects:
+        if entry is not None and entry.digest is None and entry.digest_wanted:
             entry.digest = hash(tuple(entry.tokens))
 
     def forget(self, session_id: str) -> None:

@@ -81,6 +81,7 @@ class GeneratePath:
                 prompt=prompt.token_ids,
                 sampling=prompt.sampling,
                 reuse=prompt.reuse,
+                block_hashes=prompt.block_hashes,
                 attempts=self._config.current.failover_attempts,
                 arrived=arrived,
                 tracer=self._tracer,

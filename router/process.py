@@ -130,6 +130,7 @@ class RouterProcess:
                 limits=ModelLimits(
                     served_name=model.name, max_model_len=model.max_model_len, vocab_size=tokenizer.vocab_size
                 ),
+                block_size=model.block_size,
                 metrics=self.metrics,
                 sessions=self.sessions,
             ),

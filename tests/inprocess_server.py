@@ -116,6 +116,7 @@ def generate_path(
             chat_encoder=SessionChatEncoder(tokenizer),
             parsers=OutputParsers(tokenizer.hf_tokenizer, tool_parser, None),
             limits=ModelLimits(served_name="tiny-llama", max_model_len=2048, vocab_size=tokenizer.vocab_size),
+            block_size=32,
             metrics=metrics,
         ),
         decider=Decider(

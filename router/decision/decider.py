@@ -1,7 +1,8 @@
 """Admission and replica choice: decides where a request goes; the legs (router/legs/) send it.
 
 admission (RESOURCE_EXHAUSTED beyond `overload_queue_tokens` in flight)
-  -> hash the prompt's blocks (per session: a new turn hashes only its new blocks)
+  -> hash the prompt's blocks (per session: a new turn hashes only its new blocks; a prompt intake encoded
+     in full comes hashed)
   -> what a prefill leg could pull instead of computing (router.decision.readback.KvPulls), if readback is on
   -> the policy chooses prefill and decode replicas jointly from the KV index and the load
   -> dispatch is counted (load), the route goes to the legs with the replica hints (and, with
@@ -66,9 +67,10 @@ class Decider:
         prompt: list[int],
         sampling: Sampling,
         reuse: PromptReuse | None = None,
+        block_hashes: list[int] | None = None,
     ) -> Route:
         """`reuse`: which of the prompt's ids were copied from the session's previous prompt (by the chat
-        encoder or the token-id sessions)."""
+        encoder or the token-id sessions). `block_hashes`: the prompt's, when intake hashed it."""
         limit = self._config.current.overload_queue_tokens
         # The limit is the cluster's: the other routers' admitted tokens count, as they last reported them.
         in_flight = self._admitted_tokens + self._view.peer_admitted_tokens
@@ -82,7 +84,7 @@ class Decider:
             request_id=request_id,
             session_id=session_id,
             num_prompt_tokens=len(prompt),
-            block_hashes=self._hasher.hash(session_id, prompt, reuse),
+            block_hashes=self._hasher.hash(session_id, prompt, reuse, block_hashes),
             block_size=self._block_size,
             max_tokens=sampling.max_tokens,
             readback=None if offer is None else offer.readback,

@@ -37,13 +37,15 @@ class RequestLifecycle:
         prompt: list[int],
         sampling: Sampling,
         reuse: PromptReuse | None = None,
+        block_hashes: list[int] | None = None,
         attempts: int = 3,
         arrived: float | None = None,
         tracer: trace.Tracer | None = None,
     ) -> None:
-        """`attempts`: how often the request may move to another replica after a failed leg. `arrived`: when
-        the request reached the router (time.monotonic(); default now): what it spent before this (its
-        intake) is its first stage."""
+        """`block_hashes`: the prompt's, when intake hashed it (None: the decision does). `attempts`: how
+        often the request may move to another replica after a failed leg. `arrived`: when the request
+        reached the router (time.monotonic(); default now): what it spent before this (its intake) is its
+        first stage."""
         self.request_id = request_id
         self.session_id = session_id
         self.prompt = prompt
@@ -51,6 +53,7 @@ class RequestLifecycle:
         self.attempts = attempts
         self.route = Route(prefill=False)
         self._reuse = reuse
+        self._block_hashes = block_hashes
         self._decider = decider
         self._metrics = metrics
         self._admitted = False
@@ -94,7 +97,7 @@ class RequestLifecycle:
 
     def admit(self) -> Route:
         """The first decision. Raises Overloaded (admission) or NoReplicaError (nothing eligible)."""
-        self.route = self._decide(self.prompt, self.sampling, self._reuse)
+        self.route = self._decide(self.prompt, self.sampling, self._reuse, self._block_hashes)
         self._admitted = True
         return self.route
 
@@ -151,9 +154,15 @@ class RequestLifecycle:
             self._span.end()
             self._span = None
 
-    def _decide(self, prompt: list[int], sampling: Sampling, reuse: PromptReuse | None = None) -> Route:
+    def _decide(
+        self,
+        prompt: list[int],
+        sampling: Sampling,
+        reuse: PromptReuse | None = None,
+        block_hashes: list[int] | None = None,
+    ) -> Route:
         began = time.monotonic()
-        route = self._decider.route(self.request_id, self.session_id, prompt, sampling, reuse)
+        route = self._decider.route(self.request_id, self.session_id, prompt, sampling, reuse, block_hashes)
         ended = time.monotonic()
         self._metrics.decision_seconds.observe(ended - began)
         self.stage("decision", began, ended)

@@ -166,6 +166,27 @@ def test_a_reuse_hint_about_another_list_is_ignored() -> None:
     assert h.reused_blocks == 40 // 16
 
 
+def test_hashes_intake_computed_are_kept_for_the_next_turn() -> None:
+    h = SessionHasher(block_size=16)
+    turn1 = _tokens(1000)
+    given = hash_blocks(turn1, 16)
+    assert h.hash("s", turn1, hashed=list(given)) == given
+    assert (h.reused_blocks, h.hashed_blocks) == (0, 1000 // 16)
+    h.seal("s")  # no digest: the next turn comes hashed or with a reuse hint
+    entry = h._sessions.get("s", HASHED)
+    assert entry is not None and entry.digest is None
+    # A turn that is neither (token ids not extending the wire) is still hashed right: by comparing lists.
+    assert h.hash("s", [int(str(t)) for t in turn1] + [7] * 16) == hash_blocks(turn1 + [7] * 16, 16)
+    assert h.reused_blocks == 1000 // 16
+    h.hash("s", turn1, hashed=list(given))
+    # The next turn extends turn 1: only its new blocks are hashed, from turn 1's chain.
+    turn2 = turn1 + _tokens(300, seed=1)
+    assert h.hash("s", turn2, PromptReuse(turn1, 1000)) == hash_blocks(turn2, 16)
+    assert h.reused_blocks == 2 * (1000 // 16)
+    with pytest.raises(ValueError, match="block hashes"):
+        h.hash("s", turn2, hashed=list(given))
+
+
 def test_session_shorter_prompt_and_no_session() -> None:
     sessions = Sessions(max_sessions=10, max_tokens=10_000)
     h = SessionHasher(block_size=16, sessions=sessions)

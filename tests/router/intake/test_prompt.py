@@ -11,6 +11,7 @@ import pytest
 
 from engine.tiny_model import ensure_tiny_model
 from pdserve_client.api import pdserve_pb2 as pb
+from router.block_hash import hash_blocks
 from router.errors import RequestFailed
 from router.intake.chat_encoder import SessionChatEncoder
 from router.intake.output_parser import OutputParsers
@@ -39,16 +40,26 @@ def tokenizer() -> CountingTokenizer:
     return CountingTokenizer(ensure_tiny_model())
 
 
-@pytest.fixture
-def intake(tokenizer: CountingTokenizer) -> PromptIntake:
-    tokenizer.encoded_chars = 0
+BS = 16
+
+
+def make_intake(tokenizer: PromptTokenizer, max_model_len: int = 2048) -> PromptIntake:
     return PromptIntake(
         tokenizer=tokenizer,
         chat_encoder=SessionChatEncoder(tokenizer),
         parsers=OutputParsers(tokenizer.hf_tokenizer, None, None),
-        limits=ModelLimits(served_name="tiny-llama", max_model_len=2048, vocab_size=tokenizer.vocab_size),
+        limits=ModelLimits(
+            served_name="tiny-llama", max_model_len=max_model_len, vocab_size=tokenizer.vocab_size
+        ),
+        block_size=BS,
         metrics=RouterMetrics(),
     )
+
+
+@pytest.fixture
+def intake(tokenizer: CountingTokenizer) -> PromptIntake:
+    tokenizer.encoded_chars = 0
+    return make_intake(tokenizer)
 
 
 async def refused(intake: PromptIntake, request: pb.GenerateRequest) -> tuple[str, float]:
@@ -104,3 +115,47 @@ async def test_a_prompt_that_fits_is_tokenized_as_before(intake: PromptIntake, t
         pb.GenerateRequest(prompt="hello world", sampling=pb.SamplingParams(max_tokens=4))
     )
     assert prompt.token_ids == tokenizer.encode_text("hello world") and prompt.sampling.max_tokens == 4
+
+
+# Block hashes: a prompt intake encodes in full is hashed in the thread that encoded it, so the decision
+# does not hash a long first turn on the event loop; what extends a session's previous turn is the
+# decision's (it hashes only the new blocks).
+
+
+async def test_a_text_prompt_comes_hashed(intake: PromptIntake) -> None:
+    prompt = await intake.take(
+        pb.GenerateRequest(prompt="hello world " * 40, sampling=pb.SamplingParams(max_tokens=4))
+    )
+    assert prompt.block_hashes is not None and len(prompt.block_hashes) == len(prompt.token_ids) // BS > 0
+    assert prompt.block_hashes == hash_blocks(prompt.token_ids, BS)
+
+
+async def test_a_chat_is_hashed_when_encoded_in_full_and_not_when_it_extends_the_session(
+    intake: PromptIntake,
+) -> None:
+    messages = [pb.ChatMessage(role="user", content="list the files " * 30)]
+    first = await intake.take(
+        pb.GenerateRequest(messages=messages, session_id="s", sampling=pb.SamplingParams(max_tokens=4))
+    )
+    assert first.reuse is None and first.block_hashes == hash_blocks(first.token_ids, BS)
+    messages += [
+        pb.ChatMessage(role="assistant", content="ok"),
+        pb.ChatMessage(role="user", content="and now the tests"),
+    ]
+    second = await intake.take(
+        pb.GenerateRequest(messages=messages, session_id="s", sampling=pb.SamplingParams(max_tokens=4))
+    )
+    assert second.reuse is not None and second.block_hashes is None
+
+
+async def test_long_token_ids_are_hashed_apart_and_short_ones_by_the_decision(tokenizer: Any) -> None:
+    intake = make_intake(tokenizer, max_model_len=20_000)
+    long_ids = [i % 1000 + 1 for i in range(10_000)]
+    long = await intake.take(
+        pb.GenerateRequest(prompt_token_ids=long_ids, sampling=pb.SamplingParams(max_tokens=4))
+    )
+    assert long.block_hashes == hash_blocks(long_ids, BS)
+    short = await intake.take(
+        pb.GenerateRequest(prompt_token_ids=long_ids[:500], sampling=pb.SamplingParams(max_tokens=4))
+    )
+    assert short.block_hashes is None

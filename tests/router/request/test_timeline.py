@@ -109,6 +109,7 @@ def path(exporter: InMemorySpanExporter | None, **router: Any) -> GeneratePath:
             chat_encoder=SessionChatEncoder(tokenizer),
             parsers=OutputParsers(tokenizer.hf_tokenizer, None, None),
             limits=ModelLimits(served_name="tiny-llama", max_model_len=2048, vocab_size=tokenizer.vocab_size),
+            block_size=32,
             metrics=metrics,
         ),
         decider=Decider(
