@@ -95,6 +95,9 @@ class PromptIntake:
             session_id = valid.session_id or None
             ids, reuse, hashes = await self._encode(valid.input, session_id, turn, sampling)
             check_prompt_length(len(ids), sampling, self.limits, input_field=valid.input.kind)
+            if valid.input.kind == "prompt_token_ids" and reuse is None and len(ids) >= _HASH_APART_TOKENS:
+                # Token ids with no previous turn to extend, once they fit: hashed off the event loop.
+                hashes = await asyncio.to_thread(hash_blocks, ids, self._block_size)
         except (InvalidRequest, ChatInputError) as exc:
             raise RequestFailed(grpc.StatusCode.INVALID_ARGUMENT, f"{exc.field}: {exc.message}") from exc
         if turn is not None:
@@ -125,12 +128,7 @@ class PromptIntake:
         route = sampling is not None
         if prompt.kind == "prompt_token_ids":
             # Validation built this request's own list (from the previous turn's when `turn` extends it).
-            ids = prompt.prompt_token_ids
-            reuse = None if turn is None else turn.reuse
-            hashes = None
-            if route and reuse is None and len(ids) >= _HASH_APART_TOKENS:
-                hashes = await asyncio.to_thread(hash_blocks, ids, self._block_size)
-            return ids, reuse, hashes
+            return prompt.prompt_token_ids, None if turn is None else turn.reuse, None
         if prompt.kind == "prompt":
             self._check_fits(prompt.prompt, sampling, "prompt")
             ids, hashes = await asyncio.to_thread(self._text_hashed, prompt.prompt, route)

@@ -148,8 +148,17 @@ async def test_a_chat_is_hashed_when_encoded_in_full_and_not_when_it_extends_the
     assert second.reuse is not None and second.block_hashes is None
 
 
-async def test_long_token_ids_are_hashed_apart_and_short_ones_by_the_decision(tokenizer: Any) -> None:
+async def test_long_token_ids_are_hashed_apart_and_short_ones_by_the_decision(
+    tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     intake = make_intake(tokenizer, max_model_len=20_000)
+    hashed: list[int] = []
+
+    def counted(ids: list[int], block_size: int) -> list[int]:
+        hashed.append(len(ids))
+        return hash_blocks(ids, block_size)
+
+    monkeypatch.setattr("router.intake.prompt.hash_blocks", counted)
     long_ids = [i % 1000 + 1 for i in range(10_000)]
     long = await intake.take(
         pb.GenerateRequest(prompt_token_ids=long_ids, sampling=pb.SamplingParams(max_tokens=4))
@@ -159,3 +168,7 @@ async def test_long_token_ids_are_hashed_apart_and_short_ones_by_the_decision(to
         pb.GenerateRequest(prompt_token_ids=long_ids[:500], sampling=pb.SamplingParams(max_tokens=4))
     )
     assert short.block_hashes is None
+    # Ids that cannot fit are refused before they are hashed.
+    too_long = pb.GenerateRequest(prompt_token_ids=long_ids * 2, sampling=pb.SamplingParams(max_tokens=4))
+    await refused(intake, too_long)
+    assert hashed == [10_000]
