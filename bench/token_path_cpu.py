@@ -9,6 +9,10 @@ Engine cores (`VLLM::EngineCore`, the model's compute) and Ray's daemons are rep
 
     .venv/bin/python -m bench.token_path_cpu --systems aggregated@0b48427,aggregated,vllm
 
+On a shared machine one run's ratio moves by more than most changes do; `--rounds N` runs the systems N times,
+in turn forward and backward (each system sees each place in the order), and prints each round's ratios and
+their median.
+
 On engine doubles (no engine compute; 20 ms a token), the serving layer's own limits, before against after:
 
     .venv/bin/python -m bench.token_path_cpu --systems doubles@REV,doubles --concurrency 16,64,128 \
@@ -19,8 +23,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import statistics
 import time
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import msgspec
 import psutil
@@ -73,6 +79,42 @@ def spent(before: dict[tuple[str, int], float], after: dict[tuple[str, int], flo
     return total
 
 
+class Ratio(NamedTuple):
+    """One system against the base system at one concurrency, in one round."""
+
+    system: str
+    clients: int
+    cpu_per_token: float  # its token-path CPU per streamed token over the base's
+    tokens_per_s: float  # its streamed tokens/s over the base's
+
+
+def ratios(rows: list[tuple[int, str, int, float, float, float]], base_system: str) -> list[Ratio]:
+    """Rows of (round, system, clients, tokens streamed, tokens/s, token-path CPU s): each other system's
+    ratios to `base_system` in the same round and at the same concurrency."""
+    base = {(n, c): (tokens, rate, cpu) for n, system, c, tokens, rate, cpu in rows if system == base_system}
+    out = []
+    for n, system, c, tokens, rate, cpu in rows:
+        if system != base_system:
+            b_tokens, b_rate, b_cpu = base[(n, c)]
+            per_token = (cpu / max(tokens, 1)) / max(b_cpu / max(b_tokens, 1), 1e-12)
+            out.append(Ratio(system, c, per_token, rate / b_rate))
+    return out
+
+
+def by_system(per_round: list[Ratio]) -> dict[tuple[str, int], list[Ratio]]:
+    """The rounds' ratios of each (system, concurrency), in first-seen order."""
+    groups: dict[tuple[str, int], list[Ratio]] = {}
+    for r in per_round:
+        groups.setdefault((r.system, r.clients), []).append(r)
+    return groups
+
+
+def median_ratio(rounds: list[Ratio]) -> Ratio:
+    """One (system, concurrency)'s median ratios over its rounds."""
+    cpu = statistics.median(r.cpu_per_token for r in rounds)
+    return Ratio(rounds[0].system, rounds[0].clients, cpu, statistics.median(r.tokens_per_s for r in rounds))
+
+
 def _bench_args(argv: list[str]) -> argparse.Namespace:
     """`pdserve bench`'s arguments, completed as its main completes them (no token, the default SLO)."""
     args = build_parser().parse_args(argv)
@@ -89,54 +131,70 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--input-len", default="fixed:256")
     ap.add_argument("--output-len", default="fixed:128")
     ap.add_argument("--idle-s", type=float, default=10.0, help="how long the idle daemons are read")
+    ap.add_argument(
+        "--rounds", type=int, default=1, help="the systems run this many times, alternating order"
+    )
     args = ap.parse_args(argv)
     systems = args.systems.split(",")
     if unknown := [s for s in systems if not known(s)]:
         ap.error(f"unknown system {', '.join(unknown)}")
     levels = [int(c) for c in args.concurrency.split(",")]
     rows = []
-    idle: dict[str, float] = {}
-    for system in systems:
-        print(f"starting {system} ...", flush=True)
-        with started(system, LOCAL_TOPOLOGY) as address:
-            before = cpu_by_kind(psutil.process_iter())
-            time.sleep(args.idle_s)  # started and serving, no request: the fixed cost
-            idle[system] = spent(before, cpu_by_kind(psutil.process_iter()))["daemon"] / args.idle_s
-            for clients in levels:
-                common = ["--mode", "concurrency", "--concurrency", str(clients)]
-                common += ["--input-len", args.input_len, "--output-len", args.output_len, "--warmup", "0"]
-                warmup = _bench_args([*common, "--num-requests", str(clients)])
-                run = _bench_args([*common, "--num-requests", str(max(args.num_requests, clients))])
-                asyncio.run(measure(warmup, address))
+    idle: dict[tuple[int, str], float] = {}
+    for n in range(args.rounds):
+        for system in systems if n % 2 == 0 else systems[::-1]:
+            print(f"starting {system} (round {n + 1} of {args.rounds}) ...", flush=True)
+            with started(system, LOCAL_TOPOLOGY) as address:
                 before = cpu_by_kind(psutil.process_iter())
-                _, _, results = asyncio.run(measure(run, address))
-                used = spent(before, cpu_by_kind(psutil.process_iter()))
-                (r,) = results
-                rows.append((system, clients, r.output_tokens_per_s * r.duration_s, r, used))
+                time.sleep(args.idle_s)  # started and serving, no request: the fixed cost
+                idle[n, system] = spent(before, cpu_by_kind(psutil.process_iter()))["daemon"] / args.idle_s
+                for clients in levels:
+                    common = ["--mode", "concurrency", "--concurrency", str(clients)]
+                    common += [
+                        "--input-len",
+                        args.input_len,
+                        "--output-len",
+                        args.output_len,
+                        "--warmup",
+                        "0",
+                    ]
+                    warmup = _bench_args([*common, "--num-requests", str(clients)])
+                    run = _bench_args([*common, "--num-requests", str(max(args.num_requests, clients))])
+                    asyncio.run(measure(warmup, address))
+                    before = cpu_by_kind(psutil.process_iter())
+                    _, _, results = asyncio.run(measure(run, address))
+                    used = spent(before, cpu_by_kind(psutil.process_iter()))
+                    (r,) = results
+                    rows.append((n, system, clients, r.output_tokens_per_s * r.duration_s, r, used))
     print(
-        f"\n{'system':<22} {'c':>4} {'tok/s':>7} {'TTFT p50':>9} {'TPOT p50':>9} {'TPOT p99':>9}"
+        f"\n{'round':>5} {'system':<22} {'c':>4} {'tok/s':>7} {'TTFT p50':>9} {'TPOT p50':>9} {'TPOT p99':>9}"
         f" {'failed':>6} {'token-path CPU s':>17} {'µs/token':>9} {'ms/request':>11} {'engine CPU s':>13}"
         f" {'daemons CPU s/s':>16} {'idle':>5}"
     )
-    for system, clients, tokens, r, used in rows:
+    for n, system, clients, tokens, r, used in rows:
         daemons = used["daemon"] / r.duration_s
         per_request = used["token"] / max(r.requests, 1) * 1e3
         print(
-            f"{system:<22} {clients:4d} {r.output_tokens_per_s:7.0f} {r.ttft_s['p50'] * 1e3:7.0f}ms"
-            f" {r.tpot_s['p50'] * 1e3:7.1f}ms {r.tpot_s['p99'] * 1e3:7.1f}ms {sum(r.failed.values()):6d}"
+            f"{n + 1:5d} {system:<22} {clients:4d} {r.output_tokens_per_s:7.0f}"
+            f" {r.ttft_s['p50'] * 1e3:7.0f}ms {r.tpot_s['p50'] * 1e3:7.1f}ms {r.tpot_s['p99'] * 1e3:7.1f}ms"
+            f" {sum(r.failed.values()):6d}"
             f" {used['token']:17.2f} {used['token'] / max(tokens, 1) * 1e6:9.0f} {per_request:11.2f}"
-            f" {used['engine']:13.2f} {daemons:16.2f} {idle[system]:5.2f}"
+            f" {used['engine']:13.2f} {daemons:16.2f} {idle[n, system]:5.2f}"
         )
     base_system = systems[-1]
-    print(f"\nratios to {base_system} at the same concurrency: CPU per token, tokens/s")
-    base = {c: (tokens, r, used) for system, c, tokens, r, used in rows if system == base_system}
-    for system, clients, tokens, r, used in rows:
-        if system == base_system:
-            continue
-        b_tokens, b_r, b_used = base[clients]
-        per_token = (used["token"] / tokens) / max(b_used["token"] / b_tokens, 1e-12)
-        ratio = r.output_tokens_per_s / b_r.output_tokens_per_s
-        print(f"{system:<22} {clients:4d} {per_token:6.2f}x {ratio:6.2f}x")
+    per_round = ratios(
+        [(n, s, c, tokens, r.output_tokens_per_s, used["token"]) for n, s, c, tokens, r, used in rows],
+        base_system,
+    )
+    groups = by_system(per_round)
+    print(f"\nratios to {base_system} at the same concurrency: CPU per token, tokens/s (each round)")
+    for (system, clients), group in groups.items():
+        cells = "  ".join(f"{r.cpu_per_token:5.2f}x {r.tokens_per_s:5.2f}x" for r in group)
+        print(f"{system:<22} {clients:4d} {cells}")
+    if args.rounds > 1:
+        print(f"\nmedian over {args.rounds} rounds")
+        for m in map(median_ratio, groups.values()):
+            print(f"{m.system:<22} {m.clients:4d} {m.cpu_per_token:6.2f}x {m.tokens_per_s:6.2f}x")
     return 0
 
 

@@ -38,3 +38,25 @@ def test_the_workload_is_pdserve_benchs_own_arguments_completed_as_its_main_does
     args = _bench_args(["--mode", "concurrency", "--concurrency", "4", "--num-requests", "8"])
     assert args.token is None and args.concurrency == 4 and args.num_requests == 8
     assert args.slo.ttft_s > 0  # the default SLO, as a struct (pdserve bench's main turns it into one too)
+
+
+def test_ratios_compare_each_system_with_the_base_in_the_same_round() -> None:
+    from bench.token_path_cpu import Ratio, by_system, median_ratio, ratios
+
+    # (round, system, clients, tokens streamed, tokens/s, token-path CPU s); round 1 runs in reverse order.
+    rows = [
+        (0, "pd", 16, 1000.0, 200.0, 2.0),
+        (0, "vllm", 16, 1000.0, 100.0, 1.0),
+        (1, "vllm", 16, 1000.0, 50.0, 2.0),
+        (1, "pd", 16, 2000.0, 100.0, 2.0),
+        (2, "pd", 16, 1000.0, 300.0, 9.0),
+        (2, "vllm", 16, 1000.0, 100.0, 1.0),
+    ]
+    per_round = ratios(rows, "vllm")
+    assert per_round == [
+        Ratio("pd", 16, 2.0, 2.0),
+        Ratio("pd", 16, 0.5, 2.0),  # against round 1's vllm, not round 0's
+        Ratio("pd", 16, 9.0, 3.0),
+    ]
+    (group,) = by_system(per_round).values()
+    assert median_ratio(group) == Ratio("pd", 16, 2.0, 2.0)
