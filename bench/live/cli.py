@@ -10,6 +10,8 @@
     pdserve bench --side-by-side --mode sweep              pdserve P/D, pdserve aggregated and a plain
                                                            `vllm serve`, started here in turn, with ratios
     pdserve bench --side-by-side aggregated@REV,aggregated  before (git revision REV) against after
+    pdserve bench --side-by-side aggregated+http,vllm      pdserve's OpenAI door against `vllm serve`: the
+                                                           same protocol and client
     pdserve bench --side-by-side aggregated2,aggregated2:round_robin --mode sessions
                                                            pdserve's routing against a cache-blind one
     pdserve bench --side-by-side pd-ngram,pd --temperature 0

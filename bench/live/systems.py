@@ -22,6 +22,10 @@ A pdserve system named `NAME@REV` (e.g. `aggregated@0b48427`) runs this reposito
 (extracted with `git archive`, its packages first on PYTHONPATH, so the router, engines and CLI are all that
 revision's): before against after in one run, on the same machine and workload.
 
+A pdserve system named with `+http` last (e.g. `aggregated+http`, `aggregated@0b48427+http`) is sent the
+workload on its OpenAI door (`server.http_port`) instead of its gRPC endpoint: the protocol `vllm serve`
+speaks, with the same client.
+
 Each is a context manager that yields the address to benchmark once the system serves, and stops it after.
 """
 
@@ -119,15 +123,16 @@ PDSERVE_SYSTEMS: dict[str, dict[str, Any]] = {
 }
 
 
-def topology(base: Path, overrides: dict[str, Any]) -> dict[str, Any]:
+def topology(base: Path, overrides: dict[str, Any], http: bool = False) -> dict[str, Any]:
     """`base` on free ports (distinct: the topology refuses a port used twice), with `overrides` by dotted
-    path (e.g. `pools.decode.replicas`)."""
+    path (e.g. `pools.decode.replicas`); `http`: its OpenAI door on as well."""
     topo = yaml.safe_load(base.read_text())
-    grpc, metrics, dashboard = free_ports(3)
+    grpc, metrics, dashboard, http_port = free_ports(4)
     for dotted, value in {
         "server.grpc_port": grpc,
         "server.metrics_port": metrics,
         "ray.dashboard_port": dashboard,
+        **({"server.http_port": http_port} if http else {}),
         **overrides,
     }.items():
         node = topo
@@ -140,15 +145,21 @@ def topology(base: Path, overrides: dict[str, Any]) -> dict[str, Any]:
 
 @contextmanager
 def pdserve(
-    base: Path, overrides: dict[str, Any], env: dict[str, str] | None = None, cwd: Path | None = None
+    base: Path,
+    overrides: dict[str, Any],
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+    http: bool = False,
 ) -> Iterator[str]:
+    """A pdserve cluster serving; yields its gRPC address, or with `http` its OpenAI door's URL."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "topology.yaml"
-        topo = topology(base, overrides)
+        topo = topology(base, overrides, http)
         path.write_text(yaml.safe_dump(topo))
         cluster = LocalCluster(path, env, cwd)
         try:
-            yield f"127.0.0.1:{topo['server']['grpc_port']}"
+            server = topo["server"]
+            yield f"http://127.0.0.1:{server['http_port']}" if http else f"127.0.0.1:{server['grpc_port']}"
         finally:
             cluster.down()
 
@@ -227,18 +238,21 @@ def _wait_http(url: str, proc: subprocess.Popen[bytes], log: Any) -> None:
     raise TimeoutError(f"vllm serve at {url} not serving after {READY_TIMEOUT_S:.0f} s ({last})")
 
 
+HTTP_DOOR = "+http"  # last in a pdserve system's name: the workload goes to its OpenAI door
+
+
 def _parts(system: str) -> tuple[str, str | None, str | None]:
-    """`NAME[:POLICY][@REV]` as (name, policy, revision)."""
-    named, at, rev = system.partition("@")
+    """`NAME[:POLICY][@REV][+http]` as (name, policy, revision)."""
+    named, at, rev = system.removesuffix(HTTP_DOOR).partition("@")
     name, colon, policy = named.partition(":")
     return name, policy if colon else None, rev if at else None
 
 
 def known(system: str) -> bool:
     """One of SYSTEMS, or a pdserve system routed by a baseline policy (`aggregated2:round_robin`), at a
-    revision (`aggregated@REV`), or both."""
+    revision (`aggregated@REV`), through its OpenAI door (`aggregated+http`), or any of these together."""
     name, policy, rev = _parts(system)
-    if policy is None and rev is None:
+    if policy is None and rev is None and not system.endswith(HTTP_DOOR):
         return name in SYSTEMS
     return name in PDSERVE_SYSTEMS and policy != "" and rev != "" and policy in (None, *POLICIES)
 
@@ -264,12 +278,13 @@ def revision(rev: str) -> Iterator[tuple[dict[str, str], Path]]:
 def started(system: str, base: Path) -> Iterator[str]:
     """System `system` (see `known`) serving; yields the address to benchmark."""
     name, _, rev = _parts(system)
+    http = system.endswith(HTTP_DOOR)
     if name == "vllm":
         with vllm_serve(base) as url:
             yield url
     elif rev:
-        with revision(rev) as (env, tree), pdserve(base, overrides(system), env, tree) as target:
+        with revision(rev) as (env, tree), pdserve(base, overrides(system), env, tree, http) as target:
             yield target
     else:
-        with pdserve(base, overrides(system)) as target:
+        with pdserve(base, overrides(system), http=http) as target:
             yield target

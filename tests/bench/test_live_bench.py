@@ -274,6 +274,42 @@ def test_a_pdserve_system_can_run_an_earlier_revision_and_only_a_pdserve_one() -
     assert run.returncode == 2 and "each system once" in run.stderr
 
 
+def test_a_pdserve_system_named_with_http_last_is_sent_the_workload_on_its_openai_door(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`+http` comes last, after any policy and revision, and only on pdserve systems (`vllm` speaks only
+    HTTP). The cluster gets its HTTP door on a port of its own, and the bench is given that door's URL."""
+    from bench.live import systems
+    from bench.live.cli import LOCAL_TOPOLOGY
+    from cluster.topology_file import parse_topology
+
+    assert systems.known("aggregated+http") and systems.known("pd:least_loaded@HEAD~1+http")
+    assert not systems.known("vllm+http") and not systems.known("aggregated+https")
+    assert not systems.known("aggregated+http@HEAD") and not systems.known("+http")
+    assert systems._parts("pd:least_loaded@HEAD~1+http") == ("pd", "least_loaded", "HEAD~1")
+    topo = systems.topology(LOCAL_TOPOLOGY, systems.overrides("aggregated+http"), http=True)
+    server = parse_topology(yaml.safe_dump(topo)).server
+    assert server.http_port is not None and server.http_port not in (server.grpc_port, server.metrics_port)
+    assert parse_topology(yaml.safe_dump(systems.topology(LOCAL_TOPOLOGY, {}))).server.http_port is None
+
+    started: list[Path] = []
+
+    class Cluster:  # stands in for `pdserve up`: records the topology it was given
+        def __init__(self, path: Path, env: object = None, cwd: object = None) -> None:
+            started.append(path)
+
+        def down(self) -> None:
+            pass
+
+    monkeypatch.setattr(systems, "LocalCluster", Cluster)
+    with systems.started("aggregated+http", LOCAL_TOPOLOGY) as address:
+        port = yaml.safe_load(started[0].read_text())["server"]["http_port"]
+        assert address == f"http://127.0.0.1:{port}"
+    with systems.started("aggregated", LOCAL_TOPOLOGY) as address:
+        assert not address.startswith("http")
+        assert "http_port" not in yaml.safe_load(started[1].read_text())["server"]
+
+
 def test_an_earlier_revision_runs_from_its_own_tree_first_on_the_path() -> None:
     from bench.live.systems import REPO, revision
 
