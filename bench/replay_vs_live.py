@@ -35,7 +35,7 @@ import yaml
 from bench.live import cli as live_cli
 from bench.live.arrivals import Arrivals
 from bench.live.sessions import plan_sessions
-from bench.live.systems import _parts, known, overrides, topology
+from bench.live.systems import VLLM_SYSTEMS, _parts, known, overrides, topology
 from bench.replay.live_sessions import trace_of_plan
 from bench.replay.policies import available_policies
 from bench.replay.runner import replay_policy
@@ -214,7 +214,7 @@ def format_comparison(result: dict[str, Any]) -> str:
 
 def _systems(text: str) -> list[str]:
     chosen = [s.strip() for s in text.split(",") if s.strip()]
-    bad = [s for s in chosen if not known(s) or _parts(s)[0] in ("vllm", "doubles") or _parts(s)[2]]
+    bad = [s for s in chosen if not known(s) or _parts(s)[0] in (*VLLM_SYSTEMS, "doubles") or _parts(s)[2]]
     if bad or not chosen:
         raise argparse.ArgumentTypeError(
             f"{', '.join(bad) or text!r}: pdserve systems on real engines, NAME or NAME:POLICY"
@@ -224,7 +224,7 @@ def _systems(text: str) -> list[str]:
 
 def _system_timing(text: str) -> tuple[str, MeasuredTiming]:
     name, eq, path = text.partition("=")
-    if not eq or not known(name) or _parts(name)[1] is not None or name in ("vllm", "doubles"):
+    if not eq or not known(name) or _parts(name)[1] is not None or name in (*VLLM_SYSTEMS, "doubles"):
         raise argparse.ArgumentTypeError(
             f"{text!r}: expected NAME=FILE, NAME a pdserve system on real engines"
         )

@@ -12,7 +12,9 @@
 - `pd-ngram`: `pd` with ngram speculative decoding on the decode engine (4 tokens a draft), against `pd`;
 - `pd-fp8`: `pd` with an fp8 KV cache in both pools (a byte a KV element: NIXL moves a quarter of float32's);
 - `vllm`: a plain `vllm serve` (vLLM's OpenAI server) of the same model, with the engine arguments and the
-  core binding pdserve's aggregated decode engine gets: the baseline without pdserve's router and Serve.
+  core binding pdserve's aggregated decode engine gets: the baseline without pdserve's router and Serve;
+- `vllm-batched`: `vllm` streaming `router.stream_batch_tokens` tokens a message (`--stream-interval`), as
+  pdserve streams at most that many: what pdserve's batching alone would give vLLM's server.
 
 A pdserve system named `NAME:POLICY` (e.g. `aggregated2:round_robin`) is routed by that `router.policy`, a
 cache-blind baseline (router/policy/cache_blind.py): pdserve's routing against a cache-blind one on the same
@@ -53,7 +55,8 @@ from router.config import RouterPolicy
 
 REPO = Path(__file__).resolve().parents[2]
 PDSERVE = str(Path(sys.executable).with_name("pdserve"))
-SYSTEMS = ("pd", "pd-auto", "aggregated", "aggregated2", "pd-ngram", "pd-fp8", "doubles", "vllm")
+VLLM_SYSTEMS = ("vllm", "vllm-batched")
+SYSTEMS = ("pd", "pd-auto", "aggregated", "aggregated2", "pd-ngram", "pd-fp8", "doubles", *VLLM_SYSTEMS)
 DEFAULT_SYSTEMS = ("pd", "aggregated", "vllm")  # `--side-by-side` alone
 POLICIES = typing.get_args(RouterPolicy)  # a pdserve system's `:POLICY`
 READY_TIMEOUT_S = 600.0
@@ -164,15 +167,16 @@ def pdserve(
             cluster.down()
 
 
-def vllm_serve_config(base: Path, port: int) -> tuple[dict[str, Any], dict[str, str]]:
+def vllm_serve_config(base: Path, port: int, batched: bool = False) -> tuple[dict[str, Any], dict[str, str]]:
     """vLLM server arguments (its `--config` file) and environment for the aggregated decode engine's
-    settings: the same model, dtype, context, block size, prefix caching, engine arguments and cores."""
+    settings: the same model, dtype, context, block size, prefix caching, engine arguments and cores;
+    `batched`: streaming as many tokens a message as pdserve's router at most does."""
     from cluster.serve_app import engine_spec
     from cluster.topology_file import parse_topology
     from engine.model_source import resolve_model_dir
 
-    aggregated = topology(base, PDSERVE_SYSTEMS["aggregated"])
-    spec = engine_spec(parse_topology(aggregated, str(base)), "decode")
+    topo = parse_topology(topology(base, PDSERVE_SYSTEMS["aggregated"]), str(base))
+    spec = engine_spec(topo, "decode")
     config = {
         "model": str(resolve_model_dir(spec.model_source)),
         "served-model-name": spec.served_name,
@@ -185,6 +189,8 @@ def vllm_serve_config(base: Path, port: int) -> tuple[dict[str, Any], dict[str, 
         "port": port,
         **{k.replace("_", "-"): v for k, v in spec.engine_args.items()},
     }
+    if batched:
+        config["stream-interval"] = topo.router.stream_batch_tokens
     env = {}
     if spec.device == "cpu":
         env = {
@@ -195,9 +201,9 @@ def vllm_serve_config(base: Path, port: int) -> tuple[dict[str, Any], dict[str, 
 
 
 @contextmanager
-def vllm_serve(base: Path) -> Iterator[str]:
+def vllm_serve(base: Path, batched: bool = False) -> Iterator[str]:
     (port,) = free_ports(1)
-    config, env = vllm_serve_config(base, port)
+    config, env = vllm_serve_config(base, port, batched)
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "vllm.yaml"
@@ -279,8 +285,8 @@ def started(system: str, base: Path) -> Iterator[str]:
     """System `system` (see `known`) serving; yields the address to benchmark."""
     name, _, rev = _parts(system)
     http = system.endswith(HTTP_DOOR)
-    if name == "vllm":
-        with vllm_serve(base) as url:
+    if name in VLLM_SYSTEMS:
+        with vllm_serve(base, batched=name == "vllm-batched") as url:
             yield url
     elif rev:
         with revision(rev) as (env, tree), pdserve(base, overrides(system), env, tree, http) as target:

@@ -244,6 +244,10 @@ def test_the_plain_vllm_baseline_gets_the_aggregated_decode_engines_settings() -
     assert config["enable-prompt-tokens-details"] is True  # cached prompt tokens in usage, compared
     assert "kv-transfer-config" not in config and (config["host"], config["port"]) == ("127.0.0.1", 8123)
     assert env == {"VLLM_CPU_OMP_THREADS_BIND": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}  # the decode pool's core
+    assert "stream-interval" not in config  # vLLM's default: a message per token
+    # `vllm-batched`: as many tokens a message as pdserve's router streams at most (stream_batch_tokens).
+    batched, _ = vllm_serve_config(REPO / "deploy" / "local.yaml", 8123, batched=True)
+    assert batched == config | {"stream-interval": 16}
 
 
 def test_a_traces_dir_without_sessions_is_one_line(tmp_path: Path) -> None:
