@@ -11,7 +11,11 @@ Engine cores (`VLLM::EngineCore`, the model's compute) and Ray's daemons are rep
 
 On a shared machine one run's ratio moves by more than most changes do; `--rounds N` runs the systems N times,
 in turn forward and backward (each system sees each place in the order), and prints each round's ratios and
-their median.
+their median. Each round starts every system anew; with `--warm` the systems stay up instead, the vLLM base
+(last) beside each pdserve system in turn, so a round's systems are measured seconds apart, warm (processes
+are told apart by which system started them):
+
+    .venv/bin/python -m bench.token_path_cpu --warm --rounds 8 --systems pd+http,aggregated+http,vllm
 
 On engine doubles (no engine compute; 20 ms a token), the serving layer's own limits, before against after:
 
@@ -23,16 +27,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import statistics
 import time
-from collections.abc import Iterable
-from typing import NamedTuple
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from functools import partial
+from typing import Any, NamedTuple
 
 import msgspec
 import psutil
 
 from bench.live.cli import DEFAULT_SLO, LOCAL_TOPOLOGY, build_parser, measure
-from bench.live.systems import known, started
+from bench.live.systems import VLLM_SYSTEMS, known, started
 
 # What a process is, by its command line: token path, engine, or Ray/Serve daemon.
 _ENGINE = ("VLLM::EngineCore", "VLLM::Worker")
@@ -57,18 +64,49 @@ def kind(cmdline: str) -> str | None:
     return None
 
 
-def cpu_by_kind(procs: Iterable[psutil.Process]) -> dict[tuple[str, int], float]:
-    """CPU seconds (user + system) of each classified process, keyed (kind, pid)."""
+def cpu_by_kind(
+    procs: Iterable[psutil.Process], belongs: Callable[[psutil.Process], bool] = lambda p: True
+) -> dict[tuple[str, int], float]:
+    """CPU seconds (user + system) of each classified process that `belongs` (to the system read), keyed
+    (kind, pid)."""
     out = {}
     for p in procs:
         try:
             k = kind(" ".join(p.cmdline()) or p.name())
-            if k is not None:
+            if k is not None and belongs(p):
                 t = p.cpu_times()
                 out[(k, p.pid)] = t.user + t.system
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
     return out
+
+
+class Owners:
+    """Which system each process is part of: those that appeared while the system started, and whatever they
+    start later. Systems up side by side (`--warm`) are read apart by it."""
+
+    def __init__(self) -> None:
+        self._system: dict[int, str] = {}
+
+    @contextmanager
+    def started(self, system: str) -> Iterator[str]:
+        """`system` started (bench/live/systems.py), its processes noted; yields its address."""
+        before = set(psutil.pids())
+        with started(system, LOCAL_TOPOLOGY) as address:
+            for pid in set(psutil.pids()) - before:
+                self._system.setdefault(pid, system)
+            try:
+                yield address
+            finally:
+                self._system = {pid: s for pid, s in self._system.items() if s != system}
+
+    def of(self, proc: psutil.Process) -> str | None:
+        if (system := self._system.get(proc.pid)) is None:
+            for parent in proc.parents():
+                if (system := self._system.get(parent.pid)) is not None:
+                    self._system[proc.pid] = system
+                    break
+        return system
 
 
 def spent(before: dict[tuple[str, int], float], after: dict[tuple[str, int], float]) -> dict[str, float]:
@@ -123,6 +161,75 @@ def _bench_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+class _Bench:
+    """The measurements of one run: a row per (round, system, concurrency), and each system's idle daemons."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.owners = Owners()
+        self.rows: list[tuple[int, str, int, float, Any, dict[str, float]]] = []
+        self.idle: dict[tuple[int, str], float] = {}
+
+    def restarted(self, systems: list[str]) -> None:
+        """Each round starts every system in turn and stops it after."""
+        for n in range(self.args.rounds):
+            for system in systems if n % 2 == 0 else systems[::-1]:
+                print(f"starting {system} (round {n + 1} of {self.args.rounds}) ...", flush=True)
+                with self.owners.started(system) as address:
+                    self.idle[n, system] = self._idle(system)
+                    self._windows(n, system, address)
+
+    def warm(self, systems: list[str]) -> None:
+        """The vLLM systems start once and stay up; each pdserve system starts in turn beside them, and the
+        rounds alternate between the systems up, warm, seconds apart rather than a start apart."""
+        base = [s for s in systems if s in VLLM_SYSTEMS]
+        phases: list[str | None] = [s for s in systems if s not in VLLM_SYSTEMS] or [None]
+        with contextlib.ExitStack() as up:
+            addresses = {}
+            for system in base:
+                print(f"starting {system} ...", flush=True)
+                addresses[system] = up.enter_context(self.owners.started(system))
+            for phase, pdserve in enumerate(phases):
+                with contextlib.ExitStack() as phase_up:
+                    if pdserve is not None:
+                        print(f"starting {pdserve} beside {', '.join(base)} ...", flush=True)
+                        addresses[pdserve] = phase_up.enter_context(self.owners.started(pdserve))
+                    running = [s for s in systems if s in addresses]
+                    idle = {s: self._idle(s) for s in running}
+                    for k in range(self.args.rounds):
+                        n = phase * self.args.rounds + k
+                        for system in running if k % 2 == 0 else running[::-1]:
+                            self.idle[n, system] = idle[system]
+                            self._windows(n, system, addresses[system])
+                    if pdserve is not None:
+                        del addresses[pdserve]
+
+    def _idle(self, system: str) -> float:
+        """CPU-seconds per second of the system's daemons, serving and sent nothing: the fixed cost."""
+        belongs = partial(self._belongs, system)
+        before = cpu_by_kind(psutil.process_iter(), belongs)
+        time.sleep(self.args.idle_s)
+        return spent(before, cpu_by_kind(psutil.process_iter(), belongs))["daemon"] / self.args.idle_s
+
+    def _windows(self, n: int, system: str, address: str) -> None:
+        """The workload at each concurrency against one system, after a warm-up; a row each."""
+        belongs = partial(self._belongs, system)
+        for clients in [int(c) for c in self.args.concurrency.split(",")]:
+            common = ["--mode", "concurrency", "--concurrency", str(clients), "--warmup", "0"]
+            common += ["--input-len", self.args.input_len, "--output-len", self.args.output_len]
+            warmup = _bench_args([*common, "--num-requests", str(clients)])
+            run = _bench_args([*common, "--num-requests", str(max(self.args.num_requests, clients))])
+            asyncio.run(measure(warmup, address))
+            before = cpu_by_kind(psutil.process_iter(), belongs)
+            _, _, results = asyncio.run(measure(run, address))
+            used = spent(before, cpu_by_kind(psutil.process_iter(), belongs))
+            (r,) = results
+            self.rows.append((n, system, clients, r.output_tokens_per_s * r.duration_s, r, used))
+
+    def _belongs(self, system: str, proc: psutil.Process) -> bool:
+        return self.owners.of(proc) == system
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--systems", default="aggregated,vllm")
@@ -134,38 +241,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--rounds", type=int, default=1, help="the systems run this many times, alternating order"
     )
+    ap.add_argument(
+        "--warm",
+        action="store_true",
+        help="keep the systems up between rounds: the vLLM base beside each pdserve system in turn",
+    )
     args = ap.parse_args(argv)
     systems = args.systems.split(",")
     if unknown := [s for s in systems if not known(s)]:
         ap.error(f"unknown system {', '.join(unknown)}")
-    levels = [int(c) for c in args.concurrency.split(",")]
-    rows = []
-    idle: dict[tuple[int, str], float] = {}
-    for n in range(args.rounds):
-        for system in systems if n % 2 == 0 else systems[::-1]:
-            print(f"starting {system} (round {n + 1} of {args.rounds}) ...", flush=True)
-            with started(system, LOCAL_TOPOLOGY) as address:
-                before = cpu_by_kind(psutil.process_iter())
-                time.sleep(args.idle_s)  # started and serving, no request: the fixed cost
-                idle[n, system] = spent(before, cpu_by_kind(psutil.process_iter()))["daemon"] / args.idle_s
-                for clients in levels:
-                    common = ["--mode", "concurrency", "--concurrency", str(clients)]
-                    common += [
-                        "--input-len",
-                        args.input_len,
-                        "--output-len",
-                        args.output_len,
-                        "--warmup",
-                        "0",
-                    ]
-                    warmup = _bench_args([*common, "--num-requests", str(clients)])
-                    run = _bench_args([*common, "--num-requests", str(max(args.num_requests, clients))])
-                    asyncio.run(measure(warmup, address))
-                    before = cpu_by_kind(psutil.process_iter())
-                    _, _, results = asyncio.run(measure(run, address))
-                    used = spent(before, cpu_by_kind(psutil.process_iter()))
-                    (r,) = results
-                    rows.append((n, system, clients, r.output_tokens_per_s * r.duration_s, r, used))
+    if args.warm and systems[-1] not in VLLM_SYSTEMS:
+        ap.error(f"--warm keeps the base (the last system) up throughout: it must be one of {VLLM_SYSTEMS}")
+    bench = _Bench(args)
+    if args.warm:
+        bench.warm(systems)
+    else:
+        bench.restarted(systems)
+    rows, idle = bench.rows, bench.idle
     print(
         f"\n{'round':>5} {'system':<22} {'c':>4} {'tok/s':>7} {'TTFT p50':>9} {'TPOT p50':>9} {'TPOT p99':>9}"
         f" {'failed':>6} {'token-path CPU s':>17} {'µs/token':>9} {'ms/request':>11} {'engine CPU s':>13}"

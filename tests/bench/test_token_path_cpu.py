@@ -60,3 +60,59 @@ def test_ratios_compare_each_system_with_the_base_in_the_same_round() -> None:
     ]
     (group,) = by_system(per_round).values()
     assert median_ratio(group) == Ratio("pd", 16, 2.0, 2.0)
+
+
+def test_processes_belong_to_the_system_that_started_them_and_to_no_other(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import subprocess
+    import sys
+    import time
+    from collections.abc import Iterator
+    from contextlib import contextmanager
+
+    import psutil
+
+    from bench import token_path_cpu
+    from bench.token_path_cpu import Owners
+
+    sleeper = "import time; time.sleep(60)"
+    # A system's process that starts another one a little later, as a raylet starts workers.
+    parent = "import subprocess, sys, time; time.sleep(0.5); "
+    parent += f"subprocess.Popen([sys.executable, '-c', {sleeper!r}]); {sleeper}"
+    procs: dict[str, psutil.Process] = {}
+
+    @contextmanager
+    def started(system: str, base: object) -> Iterator[str]:  # stands in for bench/live/systems.py's
+        procs[system] = psutil.Process(subprocess.Popen([sys.executable, "-c", parent]).pid)
+        yield f"address-of-{system}"  # left running after, to see it forgotten
+
+    monkeypatch.setattr(token_path_cpu, "started", started)
+    owners = Owners()
+    bystander = psutil.Process(subprocess.Popen([sys.executable, "-c", sleeper]).pid)  # the bench's own
+    try:
+        with owners.started("vllm") as address:
+            assert address == "address-of-vllm"
+            with owners.started("pd"):
+                assert owners.of(procs["vllm"]) == "vllm" and owners.of(procs["pd"]) == "pd"
+                deadline = time.monotonic() + 10
+                while not procs["vllm"].children() and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                (later,) = procs["vllm"].children()
+                assert owners.of(later) == "vllm"  # it appeared after its system had started
+                assert owners.of(bystander) is None and owners.of(psutil.Process()) is None
+            assert owners.of(procs["pd"]) is None  # forgotten once its system stopped
+            assert owners.of(procs["vllm"]) == "vllm"
+    finally:
+        for proc in [bystander, *procs.values()]:
+            for p in [*proc.children(), proc]:
+                p.kill()
+
+
+def test_warm_rounds_need_a_vllm_base_that_stays_up(capsys: pytest.CaptureFixture[str]) -> None:
+    from bench.token_path_cpu import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--warm", "--systems", "aggregated,pd"])
+    assert exc.value.code == 2
+    assert "--warm keeps the base (the last system) up throughout" in capsys.readouterr().err
