@@ -196,6 +196,9 @@ class _Bench:
                         addresses[pdserve] = phase_up.enter_context(self.owners.started(pdserve))
                     running = [s for s in systems if s in addresses]
                     idle = {s: self._idle(s) for s in running}
+                    for fresh in [pdserve] if phase else running:
+                        if fresh is not None:  # a first window of its own, unread: caches, connections
+                            self._windows(-1, fresh, addresses[fresh])
                     for k in range(self.args.rounds):
                         n = phase * self.args.rounds + k
                         for system in running if k % 2 == 0 else running[::-1]:
@@ -212,7 +215,8 @@ class _Bench:
         return spent(before, cpu_by_kind(psutil.process_iter(), belongs))["daemon"] / self.args.idle_s
 
     def _windows(self, n: int, system: str, address: str) -> None:
-        """The workload at each concurrency against one system, after a warm-up; a row each."""
+        """The workload at each concurrency against one system, after a warm-up; a row each (round n < 0:
+        none, the system is being warmed)."""
         belongs = partial(self._belongs, system)
         for clients in [int(c) for c in self.args.concurrency.split(",")]:
             common = ["--mode", "concurrency", "--concurrency", str(clients), "--warmup", "0"]
@@ -224,7 +228,8 @@ class _Bench:
             _, _, results = asyncio.run(measure(run, address))
             used = spent(before, cpu_by_kind(psutil.process_iter(), belongs))
             (r,) = results
-            self.rows.append((n, system, clients, r.output_tokens_per_s * r.duration_s, r, used))
+            if n >= 0:
+                self.rows.append((n, system, clients, r.output_tokens_per_s * r.duration_s, r, used))
 
     def _belongs(self, system: str, proc: psutil.Process) -> bool:
         return self.owners.of(proc) == system
@@ -284,9 +289,11 @@ def main(argv: list[str] | None = None) -> int:
         cells = "  ".join(f"{r.cpu_per_token:5.2f}x {r.tokens_per_s:5.2f}x" for r in group)
         print(f"{system:<22} {clients:4d} {cells}")
     if args.rounds > 1:
-        print(f"\nmedian over {args.rounds} rounds")
-        for m in map(median_ratio, groups.values()):
-            print(f"{m.system:<22} {m.clients:4d} {m.cpu_per_token:6.2f}x {m.tokens_per_s:6.2f}x")
+        print("\nmedian over the rounds")
+        for group in groups.values():
+            m = median_ratio(group)
+            cells = f"{m.cpu_per_token:6.2f}x {m.tokens_per_s:6.2f}x"
+            print(f"{m.system:<22} {m.clients:4d} {cells}  ({len(group)} rounds)")
     return 0
 
 
