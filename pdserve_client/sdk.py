@@ -19,6 +19,7 @@ arguments and parameters may be dicts or JSON text). Every gRPC failure surfaces
 from __future__ import annotations
 
 import asyncio
+import difflib
 import json
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
@@ -106,12 +107,26 @@ class Completion:
     timings: pb.Timings
 
 
+_GENERATE_FIELDS = GenerateFields.__optional_keys__ | GenerateFields.__required_keys__
+
+
+def _unknown_argument(name: str) -> str:
+    # The proto's name for a field the SDK names otherwise; else the closest spelling.
+    close = {"prompt_token_ids": ["token_ids"]}.get(name) or difflib.get_close_matches(
+        name, _GENERATE_FIELDS, n=1
+    )
+    return f"unknown argument {name!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+
+
 # GenerateFields that are pdserve.v1.SamplingParams fields, by the same names.
 _SAMPLING_FIELDS = tuple(f.name for f in pb.SamplingParams.DESCRIPTOR.fields)
 
 
 def generate_request(**fields: Unpack[GenerateFields]) -> pb.GenerateRequest:
-    """The GenerateRequest for these arguments (unset sampling fields stay unset: the server's defaults)."""
+    """The GenerateRequest for these arguments (unset sampling fields stay unset: the server's defaults).
+    An argument it does not know is a TypeError: a misspelt one would otherwise be silently not applied."""
+    if unknown := [name for name in fields if name not in _GENERATE_FIELDS]:
+        raise TypeError("; ".join(_unknown_argument(name) for name in unknown))
     # None leaves a field unset.
     given: dict[str, Any] = dict(fields)
     sampling = pb.SamplingParams(**{name: given.get(name) for name in _SAMPLING_FIELDS})

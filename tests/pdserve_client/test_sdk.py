@@ -242,3 +242,23 @@ def test_every_sampling_field_of_the_proto_is_a_keyword_of_generate() -> None:
         2,
     )
     assert not request.sampling.HasField("temperature")  # unset stays unset: the server's default
+
+
+def test_an_argument_generate_does_not_know_is_refused_not_silently_dropped() -> None:
+    from pdserve_client.sdk import PdserveClient, generate_request
+
+    with pytest.raises(
+        TypeError, match=r"unknown argument 'prompt_token_ids' \(did you mean 'token_ids'\?\)"
+    ):
+        generate_request(prompt_token_ids=[1, 2], max_tokens=4)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match=r"unknown argument 'temprature' \(did you mean 'temperature'\?\)"):
+        generate_request(prompt="x", temprature=0.2)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match=r"^unknown argument 'zzz'$"):
+        generate_request(prompt="x", zzz=1)  # type: ignore[call-arg]
+    # Raised by the clients before anything is sent (nothing listens at this address).
+    client = PdserveClient("127.0.0.1:9")
+    try:
+        with pytest.raises(TypeError, match="unknown argument 'max_token'"):
+            next(iter(client.generate(prompt="x", max_token=4)))  # type: ignore[call-arg]
+    finally:
+        client.close()
