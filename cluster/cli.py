@@ -273,6 +273,8 @@ def _up(args: argparse.Namespace) -> int:
             lambda: running_engine_replicas(APP_NAME),
             topo.ray.placement_timeout_s,
         )
+        # Its request router's thread and metrics would run for as long as this process watches.
+        registry.shutdown()
         metrics_url = f"http://{topo.server.metrics_host}:{topo.server.metrics_port}/metrics"
         log.info("cluster ready in %.1f s", time.monotonic() - started)
         grpc_address = f"{topo.server.grpc_host}:{topo.server.grpc_port}"
