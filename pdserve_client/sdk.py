@@ -107,7 +107,8 @@ class Completion:
     timings: pb.Timings
 
 
-_GENERATE_FIELDS = GenerateFields.__optional_keys__ | GenerateFields.__required_keys__
+# Sorted: the suggestion among equally close names does not depend on the hash seed.
+_GENERATE_FIELDS = sorted(GenerateFields.__optional_keys__ | GenerateFields.__required_keys__)
 
 
 def _unknown_argument(name: str) -> str:
