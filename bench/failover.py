@@ -35,7 +35,7 @@ import yaml
 
 from bench.live.systems import topology
 from cluster.bootstrap import APP_NAME, RunState
-from pdserve_client.sdk import Completion, PdserveClient, PdserveError
+from pdserve_client.sdk import Completion, CompletionBuilder, GenerateFields, PdserveClient, PdserveError
 
 REPO = Path(__file__).resolve().parents[1]
 STREAMS = 8
@@ -61,8 +61,12 @@ def write_topology(out: Path) -> Path:
     return out
 
 
+def request(prompt: str) -> GenerateFields:
+    return GenerateFields(prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+
+
 def generate(client: PdserveClient, prompt: str) -> Completion:
-    return client.generate_text(prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    return client.generate_text(**request(prompt))
 
 
 def wait_for(probe: Callable[[], object], timeout_s: float, what: str) -> object:
@@ -94,19 +98,28 @@ def whole_cluster(client: PdserveClient) -> bool | None:
 
 
 class Streams:
-    """STREAMS greedy requests at once, each on its own thread."""
+    """STREAMS greedy requests at once, each on its own thread, counting the tokens each has received."""
 
     def __init__(self, client: PdserveClient) -> None:
         self.results: list[Completion | BaseException | None] = [None] * STREAMS
+        self.tokens = [0] * STREAMS
         self.threads = [threading.Thread(target=self._run, args=(client, i)) for i in range(STREAMS)]
         for t in self.threads:
             t.start()
 
     def _run(self, client: PdserveClient, i: int) -> None:
+        builder = CompletionBuilder()
         try:
-            self.results[i] = generate(client, PROMPTS[i])
+            for response in client.generate(**request(PROMPTS[i])):
+                builder.add(response)
+                self.tokens[i] += len(response.token_ids)
+            self.results[i] = builder.build()
         except BaseException as exc:
             self.results[i] = exc
+
+    def answered(self) -> bool:
+        """Every stream has had tokens and none has ended: a fault now lands mid-stream for all of them."""
+        return all(self.tokens) and all(r is None for r in self.results)
 
     def join(self) -> list[Completion | BaseException | None]:
         for t in self.threads:
@@ -114,13 +127,13 @@ class Streams:
         return self.results
 
 
-def busiest_decode(client: PdserveClient) -> str | None:
+def busiest_decode(client: PdserveClient, streams: Streams) -> str | None:
     """The decode replica with the most streams running on it, once one has two (engine stats, 2 s)."""
     rid, n = max(ready(client, "decode").items(), key=lambda kv: kv[1], default=("", 0))
     return rid if n >= 2 else None
 
 
-def any_prefill(client: PdserveClient) -> str | None:
+def any_prefill(client: PdserveClient, streams: Streams) -> str | None:
     # At once: the streams' prefill legs (and their KV transfers) are in flight.
     return next(iter(ready(client, "prefill")), None)
 
@@ -136,18 +149,11 @@ def serve_replicas(deployment: str) -> dict[str, int]:
     return {str(r["replica_id"]): int(r["pid"]) for r in replicas if r["state"] == "RUNNING" and r.get("pid")}
 
 
-def replica_pid(role: str, replica_id: str) -> int:
-    pid = serve_replicas(role).get(replica_id)
-    if pid is None:
-        raise LookupError(f"no running Serve replica {replica_id}")
-    return pid
-
-
-def router_when_busy(client: PdserveClient) -> str | None:
-    """The router the client's streams go through, once every stream runs on a decode engine (engine stats,
-    2 s): each has had its first token, so the kill lands mid-stream (a stream the router has not answered
-    yet is not continued)."""
-    if sum(ready(client, "decode").values()) < STREAMS:
+def router_when_answered(client: PdserveClient, streams: Streams) -> str | None:
+    """The router the client's streams go through, once every stream has had tokens (a stream the router
+    has not answered yet is not continued). Read from the client, not from engine stats: those lag by up to
+    2 s, in which fast streams of the tiny model finished before the kill."""
+    if not streams.answered():
         return None
     # The client's calls share one connection, so the router answering this one carries its streams.
     return next((r.router_id for r in client.routers() if r.answering), None)
@@ -167,12 +173,14 @@ def routers_replaced(killed: str) -> bool | None:
     return True if killed not in replicas and len(replicas) == ROUTERS else None
 
 
-def engine_process(role: str, replica_id: str, name: str) -> psutil.Process:
+def engine_process(actor_pid: int, name: str) -> psutil.Process:
     """The replica's vLLM process called `name` (VLLM::EngineCore, or the VLLM::Worker it drives)."""
-    children = psutil.Process(replica_pid(role, replica_id)).children(recursive=True)
+    children = psutil.Process(actor_pid).children(recursive=True)
     found = [p for p in children if p.name().startswith(name[:15])]  # the kernel may keep only 15 characters
     if len(found) != 1:
-        raise LookupError(f"{name} of {replica_id}: {[(p.pid, p.name()) for p in children]}")
+        raise LookupError(
+            f"{name} of the replica in process {actor_pid}: {[(p.pid, p.name()) for p in children]}"
+        )
     return found[0]
 
 
@@ -182,22 +190,23 @@ class Fault:
 
     name: str
     role: str
-    victim: Callable[[PdserveClient], str | None]
+    victim: Callable[[PdserveClient, Streams], str | None]
     stopped: psutil.Process | None = None
 
     def __repr__(self) -> str:
         return self.name
 
-    def inject(self, replica_id: str) -> None:
+    def inject(self, actor_pid: int) -> None:
+        """On the replica whose actor process is `actor_pid`."""
         if self.name in ("replica_actor", "router"):
             # The actor process dies at once (a crash, an OOM kill); an engine core follows it.
-            psutil.Process(replica_pid(self.role, replica_id)).send_signal(signal.SIGKILL)
+            psutil.Process(actor_pid).send_signal(signal.SIGKILL)
         elif self.name == "frozen_engine":
-            self.stopped = engine_process(self.role, replica_id, "VLLM::EngineCore")
+            self.stopped = engine_process(actor_pid, "VLLM::EngineCore")
             self.stopped.send_signal(signal.SIGSTOP)
         else:
             process = "VLLM::Worker" if self.name.endswith("worker") else "VLLM::EngineCore"
-            engine_process(self.role, replica_id, process).send_signal(signal.SIGKILL)
+            engine_process(actor_pid, process).send_signal(signal.SIGKILL)
 
     def clean_up(self) -> None:
         """A frozen engine core outlives its replica (it cannot run its parent-death check)."""
@@ -211,7 +220,7 @@ FAULTS = [
     Fault("replica_actor", "decode", busiest_decode),
     Fault("frozen_engine", "decode", busiest_decode),
     Fault("prefill_engine_core", "prefill", any_prefill),
-    Fault("router", "router", router_when_busy),
+    Fault("router", "router", router_when_answered),
 ]
 
 
@@ -230,12 +239,18 @@ class FaultResult:
 def run_fault(client: PdserveClient, fault: Fault, target: str) -> FaultResult:
     """Streams, the fault on its victim, then wait for the streams and for Serve's replacement."""
     wait_for(lambda: whole_cluster(client), 240, "the whole cluster ready")
+    # Read before the streams start: the dashboard can take a second to answer on two loaded cores.
+    actor_pids = serve_replicas(fault.role)
     streams = Streams(client)
-    victim = wait_for(lambda: fault.victim(client), 120, f"the moment to break a {fault.role} replica")
+    victim = wait_for(
+        lambda: fault.victim(client, streams), 120, f"the moment to break a {fault.role} replica"
+    )
     assert isinstance(victim, str)
     try:
         at = time.monotonic()
-        fault.inject(victim)
+        if victim not in actor_pids:
+            raise LookupError(f"{victim} is not among the running {fault.role} replicas {sorted(actor_pids)}")
+        fault.inject(actor_pids[victim])
         new_request_s = float("nan")
         new_request_router = ""
         if fault.role == "router":  # nothing routes to a router: "out of routing" does not apply

@@ -235,8 +235,8 @@ def _json_text(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value)
 
 
-class _CompletionBuilder:
-    """Gathers a Generate stream into a Completion."""
+class CompletionBuilder:
+    """Gathers a Generate stream into a Completion, for a caller that also reads the stream as it comes."""
 
     def __init__(self) -> None:
         self.request_id = ""
@@ -394,7 +394,7 @@ class PdserveClient:
             request = stream.continue_with(prompt_ids, lost)
 
     def generate_text(self, *, timeout: float | None = None, **fields: Unpack[GenerateFields]) -> Completion:
-        builder = _CompletionBuilder()
+        builder = CompletionBuilder()
         for response in self.generate(timeout=timeout, **fields):
             builder.add(response)
         return builder.build()
@@ -540,7 +540,7 @@ class AsyncPdserveClient:
         timeout: float | None = None,  # noqa: ASYNC109
         **fields: Unpack[GenerateFields],
     ) -> Completion:
-        builder = _CompletionBuilder()
+        builder = CompletionBuilder()
         async for response in self.generate(timeout=timeout, **fields):
             builder.add(response)
         return builder.build()
