@@ -20,9 +20,11 @@ Events the router cannot use are counted and skipped: blocks from another KV cac
 another medium (e.g. CPU offload tiers), LoRA adapters or extra hash keys (multimodal, cache salt), and a
 block size other than the index's.
 
-Memory: one dict entry router hash -> replica bitmask (single-bit masks are shared objects), plus one dict
-entry per (replica, block) engine hash -> router hash, sharing the router hash int object
-(bench/routing_decision.py prints the bytes per indexed block).
+Lookup: exact, one probe per window of 64 blocks the replica's own events vouch for (`router.view.kv_spans`).
+
+Memory: one dict entry router hash -> replica bitmask (single-bit masks are shared objects), one dict entry
+per (replica, block) engine hash -> router hash, sharing the router hash int object, and one entry per block
+for its position and window (bench/routing_decision.py prints the bytes per indexed block).
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ import msgspec
 
 from router.block_hash import hash_blocks
 from router.view.kv_event_wire import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from router.view.kv_spans import DEFAULT_SPAN_BLOCKS, ReplicaSpans, Spans
+from router.view.prefix_memo import PrefixMemo
 
 DEFAULT_MEDIA: frozenset[str | None] = frozenset({None, "GPU"})
 
@@ -50,31 +54,8 @@ class KvIndexStats(msgspec.Struct, kw_only=True):
     clears: int = 0
 
 
-class PrefixMemo:
-    """What one `matched_blocks_memo` lookup established, for resuming the walk on a later prompt that
-    extends the same prefix (a session's next turn).
-
-    At removal clock `stamp`, replica `r` held the first `counts[r]` blocks of the looked-up prompt, and
-    `anchors[m]` is that prompt's hash of block m-1. Blocks are only lost through removals, each of which
-    advances the clock and stamps the replica, so while a replica's removal stamp is not newer than `stamp` it
-    still holds those blocks; a later prompt whose block m-1 has the same chained hash has the same first m
-    blocks (up to a 64-bit collision, the index's accepted risk).
-
-    `KvIndex.expect_stored` adds the replicas a request was sent to, with the whole prompt, before they hold
-    it. Such an entry counts once the replica holds the anchor block with no removal since `stamp`: an engine
-    stores a block only while every block before it is in its cache (they belong to the same running request),
-    so holding block m-1 with nothing lost since means holding all m."""
-
-    __slots__ = ("anchors", "counts", "stamp")
-
-    def __init__(self, stamp: int, counts: dict[str, int], anchors: dict[int, int]) -> None:
-        self.stamp = stamp
-        self.counts = counts
-        self.anchors = anchors
-
-
 class _Replica:
-    __slots__ = ("bit", "engine_to_router", "extra_refs", "removed_at", "slot")
+    __slots__ = ("bit", "engine_to_router", "extra_refs", "removed_at", "slot", "spans")
 
     def __init__(self, slot: int, removed_at: int) -> None:
         self.slot = slot
@@ -85,13 +66,18 @@ class _Replica:
         self.engine_to_router: dict[int, int] = {}
         # router hash -> number of additional engine hashes of this replica naming it (rare; only counts > 1)
         self.extra_refs: dict[int, int] = {}
+        self.spans = ReplicaSpans()
 
 
 class KvIndex:
     """Per-replica block sets keyed by router block hash. Single-threaded (one event loop)."""
 
     def __init__(
-        self, block_size: int, media: frozenset[str | None] = DEFAULT_MEDIA, group_idx: int = 0
+        self,
+        block_size: int,
+        media: frozenset[str | None] = DEFAULT_MEDIA,
+        group_idx: int = 0,
+        span_blocks: int = DEFAULT_SPAN_BLOCKS,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -100,17 +86,18 @@ class KvIndex:
         self.group_idx = group_idx
         self.stats = KvIndexStats()
         self._holders: dict[int, int] = {}  # router hash -> bitmask of replica slots
+        self._spans = Spans(span_blocks)  # whole windows of chains, checked with one probe (kv_spans.py)
         self._replicas: dict[str, _Replica] = {}
         self._slot_ids: list[str | None] = []  # slot -> replica id
         self._bits: list[int] = []  # slot -> shared int object 1 << slot
+        self._slot_spans: list[ReplicaSpans] = []  # slot -> its replica's windows
         # Advances at every block removal (and replica creation); see PrefixMemo.
         self._removal_clock = 0
         # Replica-id lists asked about -> their slots' bitmask (a router asks about the same few lists);
         # emptied when membership changes.
         self._masks: dict[tuple[str, ...], int] = {}
 
-    # ---- replicas
-    # -------------------------------------------------------------------------------------------
+    # ---- replicas ----------------------------------------------------------------------
 
     def add_replica(self, replica_id: str) -> None:
         if replica_id in self._replicas:
@@ -122,8 +109,10 @@ class KvIndex:
             slot = len(self._slot_ids)
             self._slot_ids.append(replica_id)
             self._bits.append(1 << slot)
+            self._slot_spans.append(ReplicaSpans())
         self._removal_clock += 1
-        self._replicas[replica_id] = _Replica(slot, self._removal_clock)
+        rep = self._replicas[replica_id] = _Replica(slot, self._removal_clock)
+        self._slot_spans[slot] = rep.spans
         self._masks.clear()
 
     def remove_replica(self, replica_id: str) -> None:
@@ -151,8 +140,10 @@ class KvIndex:
                 holders[r] = m
             else:
                 holders.pop(r, None)
+        self._spans.forget(r for r in rep.engine_to_router.values() if r not in holders)
         rep.engine_to_router.clear()
         rep.extra_refs.clear()
+        rep.spans.clear()
 
     def replicas(self) -> list[str]:
         return list(self._replicas)
@@ -169,8 +160,7 @@ class KvIndex:
         rep = self._replicas.get(replica_id)
         return rep is not None and bool(self._holders.get(router_hash, 0) & rep.bit)
 
-    # ---- events
-    # ---------------------------------------------------------------------------------------------
+    # ---- events ----------------------------------------------------------------------
 
     def apply(self, replica_id: str, event: KvEvent) -> None:
         if isinstance(event, BlockStored):
@@ -212,22 +202,30 @@ class KvIndex:
                 self.stats.unanchored_blocks += n
                 return 0
         router_hashes = hash_blocks(token_ids[: n * self.block_size], self.block_size, parent)
+        self._spans.tick += 1
+        since = self._spans.tick
         bit = rep.bit
         shared_bit = self._bits[rep.slot]
         holders = self._holders
         e2r = rep.engine_to_router
+        new = 0  # blocks no replica held: only then are positions and windows written
         for e, r in zip(engine_hashes, router_hashes, strict=False):
             prev = e2r.get(e)
             if prev == r:
                 continue  # re-announced block (e.g. prefix-cache reuse report)
-            if prev is not None:
-                self._drop(rep, prev)  # engine hash reused for other content after a missed removal
+            # An engine hash reused for other content after a missed removal.
+            if prev is not None and self._drop(rep, prev):
+                self._spans.removed(rep.spans, [prev], holders)
             e2r[e] = r
             m = holders.get(r, 0)
             if m & bit:
                 rep.extra_refs[r] = rep.extra_refs.get(r, 1) + 1
+            elif m:
+                holders[r] = m | bit
             else:
-                holders[r] = (m | bit) if m else shared_bit
+                holders[r] = shared_bit
+                new += 1
+        self._spans.stored(rep.spans, router_hashes, parent, since, place=new > 0)
         self.stats.stored_blocks += n
         return n
 
@@ -236,23 +234,28 @@ class KvIndex:
         if rep is None:
             return
         e2r = rep.engine_to_router
+        dropped = []
         for e in engine_hashes:
             r = e2r.pop(e, None)
             if r is None:
                 self.stats.unknown_removals += 1
                 continue
-            self._drop(rep, r)
+            if self._drop(rep, r):
+                dropped.append(r)
             self.stats.removed_blocks += 1
+        if dropped:
+            self._spans.removed(rep.spans, dropped, self._holders)
 
-    def _drop(self, rep: _Replica, r: int) -> None:
-        """One engine hash of `rep` naming router hash `r` is gone."""
+    def _drop(self, rep: _Replica, r: int) -> bool:
+        """One engine hash of `rep` naming router hash `r` is gone; whether `rep` no longer holds `r` (the
+        caller tells `_spans`)."""
         refs = rep.extra_refs.get(r)
         if refs is not None:
             if refs > 2:
                 rep.extra_refs[r] = refs - 1
             else:
                 del rep.extra_refs[r]
-            return
+            return False
         self._removal_clock += 1
         rep.removed_at = self._removal_clock
         m = self._holders.get(r, 0) & ~rep.bit
@@ -260,6 +263,7 @@ class KvIndex:
             self._holders[r] = m
         else:
             self._holders.pop(r, None)
+        return True
 
     def _resolve_parent(self, rep: _Replica, parent_engine_hash: int) -> int | None:
         r = rep.engine_to_router.get(parent_engine_hash)
@@ -273,8 +277,7 @@ class KvIndex:
                     return r
         return None
 
-    # ---- lookup
-    # ---------------------------------------------------------------------------------------------
+    # ---- lookup ----------------------------------------------------------------------
 
     def matched_blocks(self, block_hashes: Sequence[int], replica_ids: Iterable[str]) -> dict[str, int]:
         """Number of leading blocks of `block_hashes` each replica holds (0 for unknown replicas)."""
@@ -361,8 +364,18 @@ class KvIndex:
     def _walk(
         self, block_hashes: Sequence[int], start: int, stop: int, alive: int, result: dict[str, int]
     ) -> int:
-        """Check blocks start..stop-1 for the `alive` replicas (each holds every block before `start`);
-        records the count of each replica that lacks one and returns the replicas that hold them all."""
+        """Check blocks start..stop-1 for the `alive` replicas (each holds every block before `start`); record
+        where each one's prefix ends; return those that hold them all (`Spans.walk`)."""
+
+        def scan(first: int, end: int, replicas: int) -> int:
+            return self._scan(block_hashes, first, end, replicas, result)
+
+        return self._spans.walk(block_hashes, start, stop, alive, self._holders.get, self._slot_spans, scan)
+
+    def _scan(
+        self, block_hashes: Sequence[int], start: int, stop: int, alive: int, result: dict[str, int]
+    ) -> int:
+        """`_walk`, one block at a time."""
         get = self._holders.get
         i = start
         # A segment after a join is short (a turn's new blocks): copy it rather than skip to it.

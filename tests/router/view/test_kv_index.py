@@ -101,12 +101,13 @@ def _engine_truth(engine: FakeEngine, tokens: list[int]) -> int:
     return i
 
 
+@pytest.mark.parametrize("span_blocks", [2, 3, 64])  # windows of 2 and 3 blocks: vouched ones are common
 @pytest.mark.parametrize("seed", range(8))
-def test_random_streams_match_reference(seed: int) -> None:
+def test_random_streams_match_reference(seed: int, span_blocks: int) -> None:
     rng = random.Random(seed)
     replicas = [f"r{i}" for i in range(5)]
     engines = {r: FakeEngine(seed * 100 + i) for i, r in enumerate(replicas)}
-    index, ref = KvIndex(BS), Reference()
+    index, ref = KvIndex(BS, span_blocks=span_blocks), Reference()
     docs = [[rng.randrange(50) for _ in range(40)] for _ in range(6)]  # shared prefixes across prompts
     prompts = [
         d[: rng.randrange(4, 40)] + [rng.randrange(50) for _ in range(rng.randrange(0, 12))]
@@ -169,10 +170,11 @@ def test_random_streams_match_reference(seed: int) -> None:
             assert got[r] <= _engine_truth(engines[r], probe)
 
 
-def test_never_over_predicts_and_is_exact_without_losses() -> None:
+@pytest.mark.parametrize("span_blocks", [3, 64])
+def test_never_over_predicts_and_is_exact_without_losses(span_blocks: int) -> None:
     rng = random.Random(7)
     eng = FakeEngine(1)
-    index = KvIndex(BS)
+    index = KvIndex(BS, span_blocks=span_blocks)
     prompts = [[rng.randrange(30) for _ in range(rng.randrange(4, 60))] for _ in range(40)]
     for _ in range(400):
         evs: list[object] = list(eng.store(rng.choice(prompts), rng)) if rng.random() < 0.6 else []
@@ -280,15 +282,16 @@ def test_matched_blocks_reports_each_replicas_own_prefix() -> None:
     }
 
 
+@pytest.mark.parametrize("span_blocks", [3, 64])
 @pytest.mark.parametrize("seed", range(6))
-def test_resumed_lookup_of_growing_sessions_matches_full_walk(seed: int) -> None:
+def test_resumed_lookup_of_growing_sessions_matches_full_walk(seed: int, span_blocks: int) -> None:
     """Sessions whose every turn extends the previous prompt (sometimes rewritten), looked up with the
     previous turn's memo while replicas store, evict, clear, and leave and rejoin: always the full walk's
     answer."""
     rng = random.Random(seed)
     replicas = [f"r{i}" for i in range(4)]
     engines = {r: FakeEngine(seed * 100 + i) for i, r in enumerate(replicas)}
-    index, ref = KvIndex(BS), Reference()
+    index, ref = KvIndex(BS, span_blocks=span_blocks), Reference()
     sessions: list[list[int]] = [[rng.randrange(20) for _ in range(rng.randrange(4, 20))] for _ in range(5)]
     memos: list[object | None] = [None] * len(sessions)
     for _step in range(500):
@@ -377,3 +380,52 @@ def test_a_replica_the_turn_was_sent_to_is_not_walked_again_next_turn() -> None:
     got, _ = index.matched_blocks_memo(hash_blocks(turn2, BS), ["d0"], memo)
     assert got == {"d0": 100}
     assert gets <= 7  # the anchor, then blocks 100.. until the first one d0 lacks
+
+
+class CountingGets(dict[int, int]):
+    """The index's holder map, counting the probes a lookup makes."""
+
+    gets = 0
+
+    def get(self, key: int, default: int = 0) -> int:  # type: ignore[override]
+        self.gets += 1
+        return super().get(key, default)
+
+
+def test_a_long_prefix_is_checked_a_window_at_a_time() -> None:
+    """A replica that stored a chain whole answers for each window of it with one probe, also when the chain
+    came in several events (a chunked prefill); a removal inside a window sends the lookup back to walking
+    that window block by block, and finds the hole."""
+    index = KvIndex(BS, span_blocks=8)
+    tokens = list(range(64 * BS))
+    for start in range(0, 64, 20):  # four events, the windows they split joined through each event's tip
+        stop = min(64, start + 20)
+        index.apply_stored(
+            "r", list(range(start, stop)), start - 1 if start else None, tokens[start * BS : stop * BS]
+        )
+    index._holders = probes = CountingGets(index._holders)
+    hashes = hash_blocks(tokens, BS)
+    assert index.matched_blocks(hashes, ["r"]) == {"r": 64}
+    assert probes.gets == 8  # one checkpoint a window
+    index.apply_removed("r", [42])
+    probes.gets = 0
+    assert index.matched_blocks(hashes, ["r"]) == {"r": 42}
+    # The five windows before the hole, the hole's window's checkpoint (held, no longer vouched for), then
+    # that window block by block up to the hole.
+    assert probes.gets == 5 + 1 + 3
+
+
+def test_a_hole_the_engine_did_not_refill_is_still_a_hole() -> None:
+    """Events no engine would send (a chain extended past a hole in it, an engine hash reused inside one
+    event) leave the index with a hole inside a window: the lookup still stops at it."""
+    index = KvIndex(BS, span_blocks=4)
+    tokens = list(range(8 * BS))
+    hashes = hash_blocks(tokens, BS)
+    index.apply_stored("a", [0, 1, 2], None, tokens[: 3 * BS])
+    index.apply_removed("a", [1])
+    index.apply_stored("a", [3, 4, 5, 6, 7], 2, tokens[3 * BS :])  # ends window 0, whole from block 4
+    assert index.matched_blocks(hashes, ["a"]) == {"a": 1}
+    # Block 7's engine hash names block 4's: block 4 is dropped while window 4..7 is being stored.
+    index.apply_stored("b", [10, 11, 12, 13], None, tokens[: 4 * BS])
+    index.apply_stored("b", [14, 15, 16, 14], 13, tokens[4 * BS :])
+    assert index.matched_blocks(hashes, ["b"]) == {"b": 4}
