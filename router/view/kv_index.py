@@ -213,9 +213,8 @@ class KvIndex:
             prev = e2r.get(e)
             if prev == r:
                 continue  # re-announced block (e.g. prefix-cache reuse report)
-            # An engine hash reused for other content after a missed removal.
-            if prev is not None and self._drop(rep, prev):
-                self._spans.removed(rep.spans, [prev], holders)
+            if prev is not None:  # an engine hash reused for other content after a missed removal
+                self._forget(rep, [prev])
             e2r[e] = r
             m = holders.get(r, 0)
             if m & bit:
@@ -233,37 +232,38 @@ class KvIndex:
         rep = self._replicas.get(replica_id)
         if rep is None:
             return
-        e2r = rep.engine_to_router
-        dropped = []
+        e2r, names = rep.engine_to_router, []
         for e in engine_hashes:
             r = e2r.pop(e, None)
             if r is None:
                 self.stats.unknown_removals += 1
                 continue
-            if self._drop(rep, r):
-                dropped.append(r)
-            self.stats.removed_blocks += 1
-        if dropped:
-            self._spans.removed(rep.spans, dropped, self._holders)
+            names.append(r)
+        self.stats.removed_blocks += len(names)
+        self._forget(rep, names)
 
-    def _drop(self, rep: _Replica, r: int) -> bool:
-        """One engine hash of `rep` naming router hash `r` is gone; whether `rep` no longer holds `r` (the
-        caller tells `_spans`)."""
-        refs = rep.extra_refs.get(r)
-        if refs is not None:
-            if refs > 2:
-                rep.extra_refs[r] = refs - 1
+    def _forget(self, rep: _Replica, names: list[int]) -> None:
+        """An engine hash of `rep` naming each of these router hashes is gone."""
+        dropped, gone = [], []
+        holders, extra_refs = self._holders, rep.extra_refs
+        for r in names:
+            refs = extra_refs.pop(r, None)
+            if refs is not None:  # another engine hash of `rep` still names it
+                if refs > 2:
+                    extra_refs[r] = refs - 1
+                continue
+            dropped.append(r)
+            m = holders.get(r, 0) & ~rep.bit
+            if m:
+                holders[r] = m
             else:
-                del rep.extra_refs[r]
-            return False
-        self._removal_clock += 1
-        rep.removed_at = self._removal_clock
-        m = self._holders.get(r, 0) & ~rep.bit
-        if m:
-            self._holders[r] = m
-        else:
-            self._holders.pop(r, None)
-        return True
+                holders.pop(r, None)
+                gone.append(r)
+        if dropped:
+            self._removal_clock += 1
+            rep.removed_at = self._removal_clock
+            self._spans.removed(rep.spans, dropped)
+            self._spans.forget(gone)
 
     def _resolve_parent(self, rep: _Replica, parent_engine_hash: int) -> int | None:
         r = rep.engine_to_router.get(parent_engine_hash)

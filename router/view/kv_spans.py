@@ -21,7 +21,7 @@ so a lookup's answer is the same as the full walk's (tests/router/view/test_kv_i
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from itertools import chain, repeat
 from operator import lshift, or_
 
@@ -89,12 +89,12 @@ class Spans:
         if whole:
             rep.tips[hashes[-1]] = self.tick
 
-    def removed(self, rep: ReplicaSpans, hashes: Iterable[int], held: Container[int]) -> None:
-        """`rep` no longer holds these blocks; `held`: the blocks some replica still holds."""
+    def removed(self, rep: ReplicaSpans, hashes: Iterable[int]) -> None:
+        """`rep` no longer holds these blocks (`forget` after this those no replica holds)."""
         self.tick += 1
         tick, place, broken, vouched, tips = self.tick, self.place, rep.broken, rep.vouched, rep.tips
         for r in hashes:
-            placed = place.get(r) if r in held else place.pop(r, None)
+            placed = place.get(r)
             if placed is not None:
                 broken[placed & _MASK] = tick
             if vouched:
