@@ -71,7 +71,9 @@ class Spans:
             if placed is None:  # a parent indexed with no position: this chain's windows are not vouched
                 return
             pos, window = (placed >> 64) + 1, placed & _MASK
-            tip = rep.tips.get(parent)
+            # The chain's end moves to this event's last block: a tip per chain, not per event (a decode
+            # stream stores a block at a time). Another branch from `parent` is then walked in this window.
+            tip = rep.tips.pop(parent, None)
             whole = tip is not None and rep.broken.get(window, 0) < tip
         i, n, broken = 0, len(hashes), rep.broken
         while i < n:

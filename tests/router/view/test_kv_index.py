@@ -429,3 +429,16 @@ def test_a_hole_the_engine_did_not_refill_is_still_a_hole() -> None:
     index.apply_stored("b", [10, 11, 12, 13], None, tokens[: 4 * BS])
     index.apply_stored("b", [14, 15, 16, 14], 13, tokens[4 * BS :])
     assert index.matched_blocks(hashes, ["b"]) == {"b": 4}
+
+
+def test_a_chain_stored_a_block_at_a_time_keeps_one_tip_and_stays_vouched() -> None:
+    """A decode stream stores its blocks one event each: the replica keeps the chain's end, not every event's,
+    and each window it completes is vouched for."""
+    index = KvIndex(BS, span_blocks=4)
+    tokens = list(range(40 * BS))
+    for b in range(40):
+        index.apply_stored("r", [b], b - 1 if b else None, tokens[b * BS : (b + 1) * BS])
+    assert len(index._replicas["r"].spans.tips) == 1
+    index._holders = probes = CountingGets(index._holders)
+    assert index.matched_blocks(hash_blocks(tokens, BS), ["r"]) == {"r": 40}
+    assert probes.gets == 10
