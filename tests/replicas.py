@@ -1,9 +1,10 @@
 """A replica as it lists itself in the registry (engine.messages.ReplicaInfo), for tests of the router and the
-registry that need one without an engine; and an engine replica's spec for the built-in tiny model."""
+registry that need one without an engine; an engine replica's spec for the built-in tiny model; and an engine
+replica object built without Serve."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 from engine.messages import ReplicaInfo
 from engine.spec import EngineSpec
@@ -34,3 +35,14 @@ def tiny_spec(role: str = "decode", **fields: Any) -> EngineSpec:
         "max_model_len": 2048,
     }
     return EngineSpec(role=role, **{**base, **fields})  # type: ignore[arg-type]
+
+
+R = TypeVar("R")
+
+
+def unserved(cls: type[R]) -> R:
+    """An instance of an engine replica class without its constructor (Serve's needs a running replica
+    context) and without Serve's graceful drain: `__del__` is a coroutine only Serve awaits, and garbage
+    collection would otherwise call it and warn that it was never awaited."""
+    bare = type(cls.__name__, (cls,), {"__del__": lambda self: None})
+    return object.__new__(bare)  # type: ignore[no-any-return]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from decode_pool import token_receiver
-from replicas import tiny_spec
+from replicas import tiny_spec, unserved
 
 from decode.decode_replica import DecodeReplica
 from engine.double import DoubleEngineHost, double_tokens
@@ -16,7 +16,7 @@ from engine.token_sender import TokenSender
 
 def server() -> DecodeReplica:
     spec = tiny_spec("decode", block_size=4, kv_readback_ttl_s=60)
-    s = object.__new__(DecodeReplica)  # the Serve constructor needs a running replica context
+    s = unserved(DecodeReplica)
     s.host = DoubleEngineHost(spec, replica_id="d1", node_id="node-1", node_ip="127.0.0.1")
     s.host.start()
     return s

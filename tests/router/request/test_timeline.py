@@ -17,7 +17,7 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import Tracer
-from replicas import replica_info, tiny_spec
+from replicas import replica_info, tiny_spec, unserved
 
 from decode.decode_replica import DecodeReplica
 from engine.double import DoubleEngineHost
@@ -52,7 +52,7 @@ def tracer(exporter: InMemorySpanExporter, service: str) -> Tracer:
 
 def replica(cls: type[Any], role: str, spans: Tracer) -> Any:
     spec = tiny_spec(role)
-    r = object.__new__(cls)  # the Serve constructor needs a running replica context
+    r = unserved(cls)
     r.host = DoubleEngineHost(spec, replica_id=f"{role}-1", node_id="n", node_ip="127.0.0.1")
     r.host.start()
     r.tracer = spans
