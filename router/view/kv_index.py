@@ -5,7 +5,8 @@ Fed by engine KV events (`router.view.kv_events`), read by the routing policy th
 
 Identity: a `BlockStored` event carries the blocks' token ids; the index hashes them with `router.block_hash`
 (chained from the parent block's router hash), so routing never depends on the engine's hash seed. Per replica
-it keeps engine hash -> router hash, so a `BlockRemoved` (which names engine hashes only) finds its block.
+it keeps engine hash -> the block's entry (its router hash, window and position: `router.view.kv_spans`), so a
+`BlockRemoved` (which names engine hashes only) finds its block.
 
 Unanchored blocks: a `BlockStored` whose parent engine hash this replica's map does not know (its parent was
 stored before the router subscribed, or its event was lost) is resolved through the other replicas' maps
@@ -22,9 +23,9 @@ block size other than the index's.
 
 Lookup: exact, one probe per window of 64 blocks the replica's own events vouch for (`router.view.kv_spans`).
 
-Memory: one dict entry router hash -> replica bitmask (single-bit masks are shared objects), one dict entry
-per (replica, block) engine hash -> router hash, sharing the router hash int object, and one entry per block
-for its position and window (bench/routing_decision.py prints the bytes per indexed block).
+Memory: one dict entry router hash -> replica bitmask (single-bit masks are shared objects) and one dict entry
+per (replica, block) engine hash -> entry, an int of three words (bench/routing_decision.py prints the bytes
+per indexed block).
 """
 
 from __future__ import annotations
@@ -36,10 +37,11 @@ import msgspec
 
 from router.block_hash import hash_blocks
 from router.view.kv_event_wire import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
-from router.view.kv_spans import DEFAULT_SPAN_BLOCKS, ReplicaSpans, Spans
+from router.view.kv_spans import DEFAULT_SPAN_BLOCKS, ReplicaSpans, Spans, block_of
 from router.view.prefix_memo import PrefixMemo
 
 DEFAULT_MEDIA: frozenset[str | None] = frozenset({None, "GPU"})
+_MASK = (1 << 64) - 1
 
 
 class KvIndexStats(msgspec.Struct, kw_only=True):
@@ -55,7 +57,7 @@ class KvIndexStats(msgspec.Struct, kw_only=True):
 
 
 class _Replica:
-    __slots__ = ("bit", "engine_to_router", "extra_refs", "removed_at", "slot", "spans")
+    __slots__ = ("bit", "engine_to_entry", "extra_refs", "removed_at", "slot", "spans")
 
     def __init__(self, slot: int, removed_at: int) -> None:
         self.slot = slot
@@ -63,7 +65,7 @@ class _Replica:
         # Removal clock at this replica's latest block removal (or its creation: memos older than the
         # replica, e.g. of a removed replica with the same id, are not trusted).
         self.removed_at = removed_at
-        self.engine_to_router: dict[int, int] = {}
+        self.engine_to_entry: dict[int, int] = {}
         # router hash -> number of additional engine hashes of this replica naming it (rare; only counts > 1)
         self.extra_refs: dict[int, int] = {}
         self.spans = ReplicaSpans()
@@ -134,14 +136,13 @@ class KvIndex:
         rep.removed_at = self._removal_clock
         keep = ~rep.bit
         holders = self._holders
-        for r in set(rep.engine_to_router.values()):
+        for r in set(map(block_of, rep.engine_to_entry.values())):
             m = holders.get(r, 0) & keep
             if m:
                 holders[r] = m
             else:
                 holders.pop(r, None)
-        self._spans.forget(r for r in rep.engine_to_router.values() if r not in holders)
-        rep.engine_to_router.clear()
+        rep.engine_to_entry.clear()
         rep.extra_refs.clear()
         rep.spans.clear()
 
@@ -150,7 +151,7 @@ class KvIndex:
 
     def num_blocks(self, replica_id: str) -> int:
         rep = self._replicas.get(replica_id)
-        return 0 if rep is None else len(rep.engine_to_router)
+        return 0 if rep is None else len(rep.engine_to_entry)
 
     def __len__(self) -> int:
         """Distinct router hashes held by at least one replica."""
@@ -195,36 +196,34 @@ class KvIndex:
         n = min(len(engine_hashes), len(token_ids) // self.block_size)
         if n == 0:
             return 0
-        parent: int | None = None
+        parent: int | None = None  # the parent's entry
         if parent_engine_hash is not None:
             parent = self._resolve_parent(rep, parent_engine_hash)
             if parent is None:
                 self.stats.unanchored_blocks += n
                 return 0
-        router_hashes = hash_blocks(token_ids[: n * self.block_size], self.block_size, parent)
+        tokens = token_ids[: n * self.block_size]
+        router_hashes = hash_blocks(tokens, self.block_size, None if parent is None else block_of(parent))
+        entries = self._spans.entries(router_hashes, parent)
         self._spans.tick += 1
         since = self._spans.tick
         bit = rep.bit
         shared_bit = self._bits[rep.slot]
         holders = self._holders
-        e2r = rep.engine_to_router
-        new = 0  # blocks no replica held: only then are positions and windows written
-        for e, r in zip(engine_hashes, router_hashes, strict=False):
-            prev = e2r.get(e)
-            if prev == r:
+        e2e = rep.engine_to_entry
+        for e, r, x in zip(engine_hashes, router_hashes, entries, strict=False):
+            prev = e2e.get(e)
+            if prev == x:
                 continue  # re-announced block (e.g. prefix-cache reuse report)
             if prev is not None:  # an engine hash reused for other content after a missed removal
                 self._forget(rep, [prev])
-            e2r[e] = r
+            e2e[e] = x
             m = holders.get(r, 0)
             if m & bit:
                 rep.extra_refs[r] = rep.extra_refs.get(r, 1) + 1
-            elif m:
-                holders[r] = m | bit
             else:
-                holders[r] = shared_bit
-                new += 1
-        self._spans.stored(rep.spans, router_hashes, parent, since, place=new > 0)
+                holders[r] = (m | bit) if m else shared_bit
+        self._spans.stored(rep.spans, entries, parent, since)
         self.stats.stored_blocks += n
         return n
 
@@ -232,46 +231,46 @@ class KvIndex:
         rep = self._replicas.get(replica_id)
         if rep is None:
             return
-        e2r, names = rep.engine_to_router, []
+        e2e, gone = rep.engine_to_entry, []
         for e in engine_hashes:
-            r = e2r.pop(e, None)
-            if r is None:
+            x = e2e.pop(e, None)
+            if x is None:
                 self.stats.unknown_removals += 1
                 continue
-            names.append(r)
-        self.stats.removed_blocks += len(names)
-        self._forget(rep, names)
+            gone.append(x)
+        self.stats.removed_blocks += len(gone)
+        self._forget(rep, gone)
 
-    def _forget(self, rep: _Replica, names: list[int]) -> None:
-        """An engine hash of `rep` naming each of these router hashes is gone."""
-        dropped, gone = [], []
-        holders, extra_refs = self._holders, rep.extra_refs
-        for r in names:
+    def _forget(self, rep: _Replica, gone: list[int]) -> None:
+        """An engine hash of `rep` naming each of these entries is gone."""
+        dropped = []
+        holders, extra_refs, keep = self._holders, rep.extra_refs, ~rep.bit
+        for x in gone:
+            r = x & _MASK
             refs = extra_refs.pop(r, None)
             if refs is not None:  # another engine hash of `rep` still names it
                 if refs > 2:
                     extra_refs[r] = refs - 1
                 continue
-            dropped.append(r)
-            m = holders.get(r, 0) & ~rep.bit
+            dropped.append(x)
+            m = holders.get(r, 0) & keep
             if m:
                 holders[r] = m
             else:
                 holders.pop(r, None)
-                gone.append(r)
         if dropped:
             self._removal_clock += 1
             rep.removed_at = self._removal_clock
             self._spans.removed(rep.spans, dropped)
-            self._spans.forget(gone)
 
     def _resolve_parent(self, rep: _Replica, parent_engine_hash: int) -> int | None:
-        r = rep.engine_to_router.get(parent_engine_hash)
+        """The parent block's entry."""
+        r = rep.engine_to_entry.get(parent_engine_hash)
         if r is not None:
             return r
         for other in self._replicas.values():
             if other is not rep:
-                r = other.engine_to_router.get(parent_engine_hash)
+                r = other.engine_to_entry.get(parent_engine_hash)
                 if r is not None:
                     self.stats.parents_from_other_replicas += 1
                     return r
