@@ -442,3 +442,19 @@ def test_a_chain_stored_a_block_at_a_time_keeps_one_tip_and_stays_vouched() -> N
     index._holders = probes = CountingGets(index._holders)
     assert index.matched_blocks(hash_blocks(tokens, BS), ["r"]) == {"r": 40}
     assert probes.gets == 10
+
+
+def test_removals_forgotten_to_bound_memory_are_only_those_no_vouch_needs() -> None:
+    """Removal stamps are pruned once they outnumber what they guard: the one still newer than a vouched
+    window's survives, and the hole it marks is still found."""
+    index = KvIndex(BS, span_blocks=4)
+    tokens = list(range(16 * BS))
+    index.apply_stored("r", list(range(16)), None, tokens)
+    index.apply_removed("r", [9])  # a hole in window 8..11, vouched at the store
+    for k in range(400):  # other chains, each stored and removed: a stamp each in windows of their own
+        other = [100_000 + 8 * k + t for t in range(2 * BS)]
+        index.apply_stored("r", [1000 + 2 * k, 1001 + 2 * k], None, other)
+        index.apply_removed("r", [1000 + 2 * k, 1001 + 2 * k])
+    spans = index._replicas["r"].spans
+    assert len(spans.broken) < 300  # pruned
+    assert index.matched_blocks(hash_blocks(tokens, BS), ["r"]) == {"r": 9}
