@@ -149,6 +149,15 @@ def serve_replicas(deployment: str) -> dict[str, int]:
     return {str(r["replica_id"]): int(r["pid"]) for r in replicas if r["state"] == "RUNNING" and r.get("pid")}
 
 
+def actor_pids(client: PdserveClient, role: str) -> dict[str, int] | None:
+    """Serve's running replicas of `role` and their processes, once the dashboard lists every one in use:
+    it may list a replacement seconds after the router has made it ready."""
+    pids = serve_replicas(role)
+    if role == "router":
+        return pids if len(pids) == ROUTERS else None
+    return pids if set(ready(client, role)) <= set(pids) else None
+
+
 def router_when_answered(client: PdserveClient, streams: Streams) -> str | None:
     """The router the client's streams go through, once every stream has had tokens (a stream the router
     has not answered yet is not continued). Read from the client, not from engine stats: those lag by up to
@@ -240,7 +249,10 @@ def run_fault(client: PdserveClient, fault: Fault, target: str) -> FaultResult:
     """Streams, the fault on its victim, then wait for the streams and for Serve's replacement."""
     wait_for(lambda: whole_cluster(client), 240, "the whole cluster ready")
     # Read before the streams start: the dashboard can take a second to answer on two loaded cores.
-    actor_pids = serve_replicas(fault.role)
+    actors = wait_for(
+        lambda: actor_pids(client, fault.role), 60, f"the dashboard to list the {fault.role} replicas"
+    )
+    assert isinstance(actors, dict)
     streams = Streams(client)
     victim = wait_for(
         lambda: fault.victim(client, streams), 120, f"the moment to break a {fault.role} replica"
@@ -248,9 +260,9 @@ def run_fault(client: PdserveClient, fault: Fault, target: str) -> FaultResult:
     assert isinstance(victim, str)
     try:
         at = time.monotonic()
-        if victim not in actor_pids:
-            raise LookupError(f"{victim} is not among the running {fault.role} replicas {sorted(actor_pids)}")
-        fault.inject(actor_pids[victim])
+        if victim not in actors:
+            raise LookupError(f"{victim} is not among the running {fault.role} replicas {sorted(actors)}")
+        fault.inject(actors[victim])
         new_request_s = float("nan")
         new_request_router = ""
         if fault.role == "router":  # nothing routes to a router: "out of routing" does not apply
