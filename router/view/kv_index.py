@@ -41,7 +41,6 @@ from router.view.kv_spans import DEFAULT_SPAN_BLOCKS, ReplicaSpans, Spans, block
 from router.view.prefix_memo import PrefixMemo
 
 DEFAULT_MEDIA: frozenset[str | None] = frozenset({None, "GPU"})
-_MASK = (1 << 64) - 1
 
 
 class KvIndexStats(msgspec.Struct, kw_only=True):
@@ -246,7 +245,7 @@ class KvIndex:
         dropped = []
         holders, extra_refs, keep = self._holders, rep.extra_refs, ~rep.bit
         for x in gone:
-            r = x & _MASK
+            r = block_of(x)
             refs = extra_refs.pop(r, None)
             if refs is not None:  # another engine hash of `rep` still names it
                 if refs > 2:
