@@ -411,42 +411,56 @@ def test_the_openai_http_door_serves_chat_with_tools_completions_and_models(clus
 
 
 def test_vllm_bench_serve_agrees_with_pdserve_bench_on_the_http_door(cluster: Any, tmp_path: Path) -> None:
-    """vLLM's own benchmark and `pdserve bench`, the same workload (16 prompts of 96 random tokens, 16 output
+    """vLLM's own benchmark and `pdserve bench`, the same workload (32 prompts of 96 random tokens, 16 output
     tokens, 4 in flight, after 4 warm-up requests each: without them vLLM's first four carry its connections'
-    set-up, ~3x the rest) against the same door: both finish every request and their medians agree within
-    noise (a factor of 2 on these shared cores, 0.66-1.2 measured; what it catches is a benchmark timing the
-    wrong thing, e.g. counting chunks as tokens, which is off by the stream's batch size)."""
-    args = (
-        f"--backend openai --base-url {cluster.http_url} --endpoint /v1/completions"
-        f" --model tiny-llama --tokenizer {ensure_tiny_model()} --dataset-name random"
-        " --random-input-len 96 --random-output-len 16 --ignore-eos --num-prompts 16 --num-warmups 4"
-        " --max-concurrency 4"
-        f" --seed 0 --save-result --result-dir {tmp_path} --result-filename vllm.json"
-    )
-    bench = subprocess.run(
-        [sys.executable, "-m", "bench.vllm_bench_serve", *args.split()],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=REPO,
-    )
-    assert re.search(r"Successful requests:\s+16\b", bench.stdout), (
-        bench.stdout[-3000:] + bench.stderr[-3000:]
-    )
-    assert re.search(r"Failed requests:\s+0\b", bench.stdout)
-    ours = cluster.cli(
-        "bench", "--target", cluster.http_url, "--mode", "concurrency", "--concurrency", "4",
-        "--num-requests", "16", "--warmup", "4", "--input-len", "fixed:96", "--output-len", "fixed:16",
-        "--json", str(tmp_path / "pdserve.json"), timeout=300,
-    )  # fmt: skip
-    assert ours.returncode == 0, ours.stdout + ours.stderr
-    vllm = json.loads((tmp_path / "vllm.json").read_text())
-    (mine,) = json.loads((tmp_path / "pdserve.json").read_text())["results"]
-    assert mine["requests"] == 16 and not mine["failed"]
-    for theirs, key in (("median_ttft_ms", "ttft_s"), ("median_tpot_ms", "tpot_s")):
-        ratio = 1e3 * mine[key]["p50"] / vllm[theirs]
-        print(f"{key} p50: pdserve bench {1e3 * mine[key]['p50']:.1f} ms, vllm bench {vllm[theirs]:.1f} ms")
-        assert 0.5 < ratio < 2.0, (key, 1e3 * mine[key]["p50"], vllm[theirs])
+    set-up, ~3x the rest) against the same door, run in the order vLLM, pdserve, pdserve, vLLM: both finish
+    every request and their medians, averaged over the two runs, agree within noise. What it catches is a
+    benchmark timing the wrong thing (a unit, a chunk counted as a token, a clock started late). On these
+    shared cores one run lasts about a second and one pair's ratio ranged 0.51-1.46 (vLLM's client, heavier,
+    reads its first token ~20% later), hence two runs each, in balanced order, and a factor of 2.5."""
+
+    def vllm_bench(run: int) -> dict[str, float]:
+        name = f"vllm{run}.json"
+        args = (
+            f"--backend openai --base-url {cluster.http_url} --endpoint /v1/completions"
+            f" --model tiny-llama --tokenizer {ensure_tiny_model()} --dataset-name random"
+            " --random-input-len 96 --random-output-len 16 --ignore-eos --num-prompts 32 --num-warmups 4"
+            f" --max-concurrency 4 --seed {run} --save-result --result-dir {tmp_path}"
+            f" --result-filename {name}"
+        )
+        bench = subprocess.run(
+            [sys.executable, "-m", "bench.vllm_bench_serve", *args.split()],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=REPO,
+        )
+        assert re.search(r"Successful requests:\s+32\b", bench.stdout), (
+            bench.stdout[-3000:] + bench.stderr[-3000:]
+        )
+        assert re.search(r"Failed requests:\s+0\b", bench.stdout)
+        result = json.loads((tmp_path / name).read_text())
+        return {"ttft_s": result["median_ttft_ms"] / 1e3, "tpot_s": result["median_tpot_ms"] / 1e3}
+
+    def pdserve_bench(run: int) -> dict[str, float]:
+        out = tmp_path / f"pdserve{run}.json"
+        ours = cluster.cli(
+            "bench", "--target", cluster.http_url, "--mode", "concurrency", "--concurrency", "4",
+            "--num-requests", "32", "--warmup", "4", "--input-len", "fixed:96", "--output-len", "fixed:16",
+            "--seed", str(run), "--json", str(out), timeout=300,
+        )  # fmt: skip
+        assert ours.returncode == 0, ours.stdout + ours.stderr
+        (mine,) = json.loads(out.read_text())["results"]
+        assert mine["requests"] == 32 and not mine["failed"]
+        return {key: mine[key]["p50"] for key in ("ttft_s", "tpot_s")}
+
+    theirs = [vllm_bench(0)]
+    mine = [pdserve_bench(0), pdserve_bench(1)]
+    theirs.append(vllm_bench(1))
+    for key in ("ttft_s", "tpot_s"):
+        ours_ms, vllm_ms = (1e3 * sum(run[key] for run in runs) / 2 for runs in (mine, theirs))
+        print(f"{key} p50, mean of two runs: pdserve bench {ours_ms:.1f} ms, vllm bench {vllm_ms:.1f} ms")
+        assert 1 / 2.5 < ours_ms / vllm_ms < 2.5, (key, ours_ms, vllm_ms)
 
 
 def test_logprobs_and_template_variables(client: PdserveClient, cluster: Any) -> None:
