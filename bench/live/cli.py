@@ -19,13 +19,13 @@
     pdserve bench --side-by-side pd-fp8,pd                  an fp8 KV cache against the model's dtype
 
 Workload: `--input-len` / `--output-len` (fixed:N, normal:MEAN,STD, lognormal:MEAN,SIGMA), shared prefixes
-(`--prefix-groups G --prefix-len L`). Warm-up requests (`--warmup`) are sent first and not counted. Reports
-TTFT, TPOT, inter-token latency and end-to-end latency at P50/P95/P99, throughput, goodput under `--slo`,
-the share of prompt tokens served from caches and of serving paths, and from a pdserve cluster's decode
-engines the speculative acceptance (accepted / drafted tokens, tokens a step) and the KV bytes NIXL moved per
-token; `--json FILE` keeps everything, with the endpoint's model and replicas, the versions and the machine;
-`--plots DIR` draws latency and goodput against the rate, and latency CDFs. `--target` is a pdserve gRPC
-endpoint (host:port) or any OpenAI-compatible server (http://host:port: pdserve's HTTP door, `vllm serve`).
+(`--prefix-groups G --prefix-len L`). Warm-up requests (`--warmup`, then up to the run's longest prompt) are
+sent first and not counted. Reports TTFT, TPOT, inter-token latency and end-to-end latency at P50/P95/P99,
+throughput, goodput under `--slo`, the share of prompt tokens served from caches and of serving paths, and
+from a pdserve cluster's decode engines the speculative acceptance (accepted / drafted tokens, tokens a step)
+and the KV bytes NIXL moved per token; `--json FILE` keeps everything, with the endpoint's model and replicas,
+the versions and the machine; `--plots DIR` draws latency and goodput against the rate, and latency CDFs.
+`--target`: a pdserve gRPC endpoint (host:port) or an OpenAI-compatible server (http://host:port).
 """
 
 from __future__ import annotations
@@ -243,13 +243,11 @@ async def measure(args: argparse.Namespace, address: str) -> tuple[Served, str, 
             repeat_period=args.repeat_period,
             max_model_len=served.max_model_len,
         )
-        runs, described = _runs(args, workload)
+        runs, described, longest = _runs(args, workload)
         print(f"pdserve bench: {address} ({served.model}), {described}, mode {args.mode}", flush=True)
         counts = await target.engine_counts()
-        warmed = [
-            await target.send(w, args.timeout)
-            for w in workload.requests(args.warmup, seed=args.seed + 10_000)
-        ]
+        warm = workload.warmup(args.warmup, longest, seed=args.seed + 10_000)
+        warmed = [await target.send(w, args.timeout) for w in warm]
         # The engines' counters reach the cluster's status with a heartbeat: a run's window starts once they
         # count the warm-up, or the run's would be read early, mid-request (KV bytes moved, tokens not yet).
         before = await counted(target, counts, sum(t.ok for t in warmed))
@@ -282,8 +280,11 @@ async def measure(args: argparse.Namespace, address: str) -> tuple[Served, str, 
 Run = Callable[[Send, Progress], Awaitable[tuple[list[Timed], float, float | None]]]
 
 
-def _runs(args: argparse.Namespace, workload: Workload) -> tuple[list[tuple[str, int, Run]], str]:
-    """(label, requests, run) per measured run, and the workload in words."""
+# (label, requests, run) per measured run, the workload in words, and the longest prompt it sends
+Runs = tuple[list[tuple[str, int, Run]], str, int]
+
+
+def _runs(args: argparse.Namespace, workload: Workload) -> Runs:
 
     def requests(i: int) -> list[Request]:
         return workload.requests(args.num_requests, seed=args.seed + i)
@@ -304,20 +305,19 @@ def _runs(args: argparse.Namespace, workload: Workload) -> tuple[list[tuple[str,
 
         return run
 
-    n = args.num_requests
+    n, what = args.num_requests, workload.describe()
     if args.mode == "sessions":
         return _sessions_run(args, workload.max_model_len)
-    if args.mode == "min-latency":
-        return [("concurrency 1", n, closed(1))], workload.describe()
-    if args.mode == "max-throughput":
-        return [("all at once", n, closed(None))], workload.describe()
-    if args.mode == "concurrency":
-        return [(f"concurrency {args.concurrency}", n, closed(args.concurrency))], workload.describe()
+    if args.mode in ("min-latency", "max-throughput", "concurrency"):
+        c = {"min-latency": 1, "max-throughput": None, "concurrency": args.concurrency}[args.mode]
+        label = {1: "concurrency 1", None: "all at once"}.get(c, f"concurrency {c}")
+        return [(label, n, closed(c))], what, max(len(r.token_ids) for r in requests(0))
     rates = [args.rate] if args.mode == "rate" else args.rates
-    return [(f"rate {rate:g}/s", n, at_rate(rate, i)) for i, rate in enumerate(rates)], workload.describe()
+    longest = max(len(r.token_ids) for i in range(len(rates)) for r in requests(i))
+    return [(f"rate {rate:g}/s", n, at_rate(rate, i)) for i, rate in enumerate(rates)], what, longest
 
 
-def _sessions_run(args: argparse.Namespace, max_model_len: int) -> tuple[list[tuple[str, int, Run]], str]:
+def _sessions_run(args: argparse.Namespace, max_model_len: int) -> Runs:
     """Agent sessions starting at `--rate` sessions per second (`--arrival`), turn by turn."""
     plan = plan_sessions(
         num_sessions=args.sessions,
@@ -337,7 +337,8 @@ def _sessions_run(args: argparse.Namespace, max_model_len: int) -> tuple[list[tu
 
     turns = sum(len(s) for s in sessions)
     described = plan.describe(str(args.traces_dir)) + f", gaps x{args.gap_scale:g}"
-    return [(f"{len(sessions)} sessions", turns, run)], described
+    longest = max(len(r.token_ids) for s in sessions for r, _ in s)
+    return [(f"{len(sessions)} sessions", turns, run)], described, longest
 
 
 def _write(args: argparse.Namespace, report: dict[str, Any], runs: dict[str, list[RunResult]]) -> None:

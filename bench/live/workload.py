@@ -16,6 +16,8 @@ import random
 from dataclasses import dataclass
 
 TOKEN_RANGE = (300, 2000)
+RAMP_STEPS = 4  # warm-up prompts up to the run's longest, at most
+RAMP_OUTPUT = 8  # tokens each of them generates: decode steps at a long context warm too
 
 
 @dataclass(frozen=True)
@@ -90,9 +92,29 @@ class Workload:
             out.append(Request(token_ids=ids, max_tokens=max_tokens, group=group))
         return out
 
+    def warmup(self, n: int, longest: int, seed: int) -> list[Request]:
+        """`n` of the workload's requests, then (unless `n` is 0) `ramp`'s up to the run's `longest`."""
+        warm = self.requests(n, seed)
+        if not warm:
+            return warm
+        top = min(longest, self.max_model_len - RAMP_OUTPUT)
+        return warm + ramp(top, max(len(r.token_ids) for r in warm), random.Random(seed + 1))
+
     def describe(self) -> str:
         shared = (
             f", {self.prefix_groups} prefix groups of {self.prefix_len} tokens" if self.prefix_groups else ""
         )
         repeated = f", prompts repeating every {self.repeat_period} tokens" if self.repeat_period else ""
         return f"input {self.input_len}, output {self.output_len}{shared}{repeated}"
+
+
+def ramp(longest: int, reached: int, rng: random.Random) -> list[Request]:
+    """Warm-up prompts of fresh ids from about an eighth of `longest` up to it, each twice the one before,
+    those no longer than `reached` (what a warm-up reached already) left out. On a CPU the first prefills
+    after an engine starts, and the first at a length it has not reached yet, cost up to twice what they do
+    after (docs/benchmarks.md, "Warm-up"): a measurement would otherwise pay it."""
+    lengths = [m for m in (longest >> k for k in range(RAMP_STEPS)) if m > reached]
+    return [
+        Request(token_ids=[rng.randint(*TOKEN_RANGE) for _ in range(m)], max_tokens=RAMP_OUTPUT, group=-1)
+        for m in reversed(lengths)
+    ]

@@ -24,7 +24,7 @@ from ports import free_port
 from bench.live.arrivals import Arrivals
 from bench.live.report import ratio_rows, summarize
 from bench.live.runner import Timed
-from bench.live.workload import Lengths, Workload
+from bench.live.workload import Lengths, Request, Workload
 from bench.slo import Slo, percentile
 from engine.messages import EngineRequest
 
@@ -65,6 +65,59 @@ def test_a_repeat_period_makes_each_prompt_repeat_one_random_run_after_its_prefi
     # Without it the same seed draws the same prompts as ever (runs stay comparable across revisions).
     assert [len(set(r.token_ids[20:])) > 50 for r in plain.requests(5, seed=3)] == [True] * 5
     assert "repeating every 32 tokens" in repeating.describe()
+
+
+def test_the_warm_up_reaches_the_runs_longest_prompt_in_doublings_of_fresh_ids() -> None:
+    from bench.live.workload import RAMP_OUTPUT
+
+    w = Workload(Lengths("fixed", 100), Lengths("fixed", 8), max_model_len=2048)
+    warm = w.warmup(2, longest=1800, seed=5)
+    assert warm[:2] == w.requests(2, seed=5)  # the workload's own warm-up first, as before
+    lengths = [len(r.token_ids) for r in warm[2:]]
+    assert lengths == [225, 450, 900, 1800]  # up to the longest, each twice the one before
+    assert all(r.max_tokens == RAMP_OUTPUT and r.group == -1 for r in warm[2:])
+    assert len({tuple(r.token_ids[:32]) for r in warm}) == len(warm)  # no prompt shares another's first block
+    # Lengths the workload's warm-up reached are not sent again; the context bounds the longest.
+    assert [len(r.token_ids) for r in w.warmup(1, longest=300, seed=5)] == [100, 150, 300]
+    assert len(w.warmup(1, longest=5000, seed=5)[-1].token_ids) == 2048 - RAMP_OUTPUT
+    assert w.warmup(1, longest=100, seed=5) == w.requests(1, seed=5)
+    assert w.warmup(0, longest=1800, seed=5) == []  # --warmup 0: none at all
+
+
+def test_a_sessions_run_is_warmed_up_to_its_longest_turn_before_its_first_turn(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import asyncio
+
+    from bench.live import cli
+    from bench.live.targets import Served
+    from bench.token_path_cpu import _bench_args
+
+    sent: list[int] = []
+
+    class RecordingTarget:
+        address = "recording"
+
+        async def served(self) -> Served:
+            return Served(model="m", max_model_len=2048)
+
+        async def engine_counts(self) -> None:
+            return None
+
+        async def send(self, req: Request, timeout_s: float) -> Timed:
+            sent.append(len(req.token_ids))
+            return Timed(sent=0.0, first_token=0.01, end=0.02, completion_tokens=1)
+
+        async def aclose(self) -> None:
+            return None
+
+    args = _bench_args(
+        ["--mode", "sessions", "--sessions", "3", "--max-turns", "4", "--gap-scale", "0", "--rate", "100"]
+    )
+    monkeypatch.setattr(cli, "open_target", lambda *a, **k: RecordingTarget())
+    _, _, (result,) = asyncio.run(cli.measure(args, "recording"))
+    turns, warm = sent[-result.requests :], sent[: -result.requests]
+    assert len(warm) > 2 and warm[2:] == sorted(warm[2:]) and max(warm) == max(turns) > 256
 
 
 def test_arrival_processes_keep_their_rate_and_gamma_is_burstier() -> None:
