@@ -41,7 +41,7 @@ import msgspec
 from bench.engine_timing import Plan, fit, write_report
 from bench.live.systems import started
 from bench.live.targets import Target, open_target
-from bench.live.workload import TOKEN_RANGE, Request
+from bench.live.workload import RAMP_OUTPUT, TOKEN_RANGE, Request, ramp
 from router.service_time import MeasuredEngine, MeasuredTiming
 
 REPO = Path(__file__).resolve().parents[1]
@@ -100,6 +100,13 @@ class _Client:
     def session(self) -> str:
         return f"timing-{next(self._ids)}"
 
+    async def warm(self) -> None:
+        """Prompts up to the whole context first (`ramp`), as `pdserve bench` warms up: the first ones after
+        a start cost up to twice what they do after, and the live run a replay is compared with is warm."""
+        for req in ramp(self.room - RAMP_OUTPUT, 0, self._rng):
+            self._counts.add(len(req.token_ids))
+            await self.send(req.token_ids, req.max_tokens, self.session())
+
     async def send(self, prompt: list[int], max_tokens: int, session: str) -> tuple[float, float]:
         """(time to first token, time per output token after it) at the client."""
         timed = await self.target.send(
@@ -133,7 +140,8 @@ async def _median(repeats: int, once: Callable[[], Awaitable[float]]) -> float:
 
 
 async def measure_aggregated(client: _Client, plan: Plan, say: Callable[[str], None]) -> dict[str, list]:
-    await _ttft_s(client, 64, 64)  # warm-up: the first requests pay one-off costs
+    await client.warm()
+    await _ttft_s(client, 64, 64)
     await _step_s(client, 2, 64, 4)
     decode = []
     for batch, context in itertools.product(plan.decode_batch, plan.decode_context):
@@ -154,6 +162,7 @@ async def measure_aggregated(client: _Client, plan: Plan, say: Callable[[str], N
 
 
 async def measure_pd(client: _Client, plan: Plan, say: Callable[[str], None]) -> list[dict[str, float]]:
+    await client.warm()
     await _ttft_s(client, 64, 0)
     out = []
     for tokens in plan.transfer_tokens:
@@ -193,6 +202,7 @@ async def _contended_s(client: _Client, others: int, repeats: int) -> tuple[floa
 async def measure_contention(
     client: _Client, streams: tuple[int, ...], repeats: int, say: Callable[[str], None]
 ) -> list[dict[str, float]]:
+    await client.warm()
     await _contended_s(client, 0, 1)
     out = []
     for k in streams:

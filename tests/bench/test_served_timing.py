@@ -10,6 +10,7 @@ import asyncio
 
 import pytest
 
+from bench.engine_timing import Plan
 from bench.live.runner import Timed
 from bench.live.workload import Request
 from bench.served_timing import _Client, _step_s, _ttft_s, fit_contention, fit_served
@@ -105,26 +106,51 @@ def test_contention_is_fitted_against_the_quiet_turn_as_one_plus_x_root_k() -> N
     )
 
 
+def _one_point(batch: int, steps: int) -> Plan:
+    """A plan of one point of each kind, timed once."""
+    return Plan(
+        prefill_new=(32,),
+        prefill_cached=(0,),
+        decode_batch=(batch,),
+        decode_context=(64,),
+        decode_steps=steps,
+        transfer_tokens=(64,),
+        repeats=1,
+    )
+
+
 def test_on_two_decode_engines_a_decode_point_sends_its_batch_to_each() -> None:
-    from bench.engine_timing import Plan
     from bench.served_timing import measure_aggregated
 
     target = _Recorder()
     client = _Client(target, max_model_len=2048, engines=2)  # type: ignore[arg-type]
-    plan = Plan(
-        prefill_new=(32,),
-        prefill_cached=(0,),
-        decode_batch=(3,),
-        decode_context=(64,),
-        decode_steps=8,
-        transfer_tokens=(64,),
-        repeats=1,
-    )
-    samples = asyncio.run(measure_aggregated(client, plan, lambda line: None))
+    samples = asyncio.run(measure_aggregated(client, _one_point(batch=3, steps=8), lambda line: None))
     assert samples["decode"] == [
         {"batch": 3, "context": 3 * (64 + 4), "s": pytest.approx(0.003), "others": 3}
     ]
     assert sum(r.max_tokens == 9 for r in target.sent) == 6  # 3 on each engine
+
+
+@pytest.mark.parametrize("part", ["aggregated", "pd", "contention"])
+def test_each_part_warms_its_cluster_up_to_the_whole_context_before_it_times_anything(part: str) -> None:
+    from bench.live.workload import RAMP_OUTPUT
+    from bench.served_timing import measure_aggregated, measure_contention, measure_pd
+
+    target = _Recorder()
+    client = _Client(target, max_model_len=2048)  # type: ignore[arg-type]
+    plan = _one_point(batch=1, steps=4)
+    say = lambda line: None  # noqa: E731
+    run = {
+        "aggregated": lambda: measure_aggregated(client, plan, say),
+        "pd": lambda: measure_pd(client, plan, say),
+        "contention": lambda: measure_contention(client, (0,), 1, say),
+    }[part]
+    asyncio.run(run())
+    first = [len(r.token_ids) for r in target.sent[:4]]
+    assert first == sorted(first) and first[-1] == 2046 - RAMP_OUTPUT  # up to the context, longest last
+    assert all(len(r.token_ids) < 2000 for r in target.sent[4:])  # what it times comes after
+    timed = [client.fresh(first[-1], first[-1])]  # the warm-up's counts are not handed out as fresh again
+    assert timed != [first[-1]]
 
 
 def test_a_decode_point_timed_beside_another_engines_batch_is_fitted_at_what_it_would_be_alone() -> None:
