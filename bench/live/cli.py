@@ -12,8 +12,9 @@
     pdserve bench --side-by-side aggregated@REV,aggregated  before (git revision REV) against after
     pdserve bench --side-by-side aggregated+http,vllm      pdserve's OpenAI door against `vllm serve`: the
                                                            same protocol and client
-    pdserve bench --side-by-side aggregated2,aggregated2:round_robin --mode sessions
-                                                           pdserve's routing against a cache-blind one
+    pdserve bench --side-by-side aggregated2,aggregated2:round_robin --mode sessions --rounds 3
+                                                           pdserve's routing against a cache-blind one,
+                                                           three rounds in alternating order
     pdserve bench --side-by-side pd-ngram,pd --temperature 0
                                                            ngram speculative decoding against none
     pdserve bench --side-by-side pd-fp8,pd                  an fp8 KV cache against the model's dtype
@@ -32,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import json
 import os
 import platform
@@ -47,10 +47,11 @@ import yaml
 from bench.live.arrivals import Arrivals
 from bench.live.plots import PlotsUnavailable, pyplot, write_plots
 from bench.live.progress import Progress
-from bench.live.report import DEFAULT_SLO, RunResult, ratios, summarize, table
+from bench.live.report import DEFAULT_SLO, RunResult, summarize, table
 from bench.live.runner import Send, Timed, closed_loop, open_loop, session_loop
 from bench.live.sessions import plan_sessions
-from bench.live.systems import DEFAULT_SYSTEMS, POLICIES, REPO, SYSTEMS, known, started
+from bench.live.side_by_side import SystemDidNotStart, measure_systems, summary
+from bench.live.systems import DEFAULT_SYSTEMS, POLICIES, REPO, SYSTEMS, known
 from bench.live.targets import Served, TargetError, counted, open_target
 from bench.live.workload import Lengths, Request, Workload
 from bench.replay.traces import DEFAULT_TRACES_DIR
@@ -129,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
         "REV; NAME:POLICY: routed by a cache-blind router.policy, round_robin or least_loaded)",
     )
     p.add_argument(
+        "--rounds", type=_count, default=1, help="side by side: the systems N times, in alternating order"
+    )
+    p.add_argument(
         "--topology",
         type=Path,
         default=None,
@@ -187,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.token_env and not args.token:
         return _fail(f"--token-env {args.token_env} is not set")
     try:
+        if args.rounds > 1 and not args.side_by_side:
+            return _fail("--rounds: only with --side-by-side")
         if args.plots is not None:
             pyplot()  # before any run: a missing plotting library is not found out at the end
         if args.side_by_side:
@@ -206,25 +212,17 @@ def _fail(message: str) -> int:
 
 
 def _side_by_side(args: argparse.Namespace) -> int:
-    """Each system started here in turn (one at a time: they would share this machine's cores), the same
-    workload on each, then one table and the ratios to the last system (the plain vLLM baseline)."""
-    measured: dict[str, tuple[Served, list[RunResult]]] = {}
-    workload = None
-    for system in args.side_by_side:
-        print(f"starting {system} ...", flush=True)
-        try:
-            with started(system, args.topology or LOCAL_TOPOLOGY) as address:
-                served, workload, results = asyncio.run(measure(args, address))
-        except (RuntimeError, TimeoutError) as exc:
-            return _fail(f"{system} did not start: {exc}")
-        measured[system] = (served, results)
-    assert workload is not None
+    try:
+        measured, workload = measure_systems(
+            args.side_by_side,
+            args.rounds,
+            args.topology or LOCAL_TOPOLOGY,
+            lambda address: asyncio.run(measure(args, address)),
+        )
+    except SystemDidNotStart as exc:
+        return _fail(str(exc))
     runs = {system: results for system, (_, results) in measured.items()}
-    print(table([dataclasses.replace(r, label=f"{s} {r.label}") for s, rs in runs.items() for r in rs]))
-    baseline = args.side_by_side[-1]
-    if len(runs) > 1:
-        print(f"\nratios to {baseline} (below 1: lower latency, above 1: more throughput)")
-        print(ratios(runs, baseline))
+    print(summary(runs, args.side_by_side[-1], args.rounds))
     _write(args, _report(args, measured, workload), runs)
     return 0 if all(not r.failed for rs in runs.values() for r in rs) else 1
 

@@ -40,6 +40,8 @@ class RunResult:
     spec_tokens_per_step: float | None = None
     # Bytes NIXL moved per prompt token whose KV it moved (None: no KV moved, or an OpenAI server).
     kv_bytes_per_token: float | None = None
+    # Which round of a side-by-side with `--rounds` (the systems run again, in alternating order).
+    round: int = 1
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -95,8 +97,9 @@ def summarize(
 
 def table(results: Sequence[RunResult]) -> str:
     """Side by side, one row per run; latencies in milliseconds."""
+    w = max([26, *(len(r.label) for r in results)])
     head = (
-        f"{'run':<26} {'req/s':>6} {'tok/s':>7} {'ttft p50/p95/p99 ms':>21} {'tpot p50/p99':>13} "
+        f"{'run':<{w}} {'req/s':>6} {'tok/s':>7} {'ttft p50/p95/p99 ms':>21} {'tpot p50/p99':>13} "
         f"{'itl p50/p99':>12} {'e2e p50/p99 ms':>15} {'good/s':>6} {'good':>5} {'cached':>6} {'fail':>4} "
         f"{'accept/step':>11} {'KV B/tok':>8}"
     )
@@ -107,7 +110,7 @@ def table(results: Sequence[RunResult]) -> str:
             return "/".join("-" if math.isnan(d[k]) else f"{1e3 * d[k]:.0f}" for k in keys)
 
         lines.append(
-            f"{r.label:<26} {r.throughput_rps:>6.2f} {r.output_tokens_per_s:>7.0f} "
+            f"{r.label:<{w}} {r.throughput_rps:>6.2f} {r.output_tokens_per_s:>7.0f} "
             f"{ms(r.ttft_s, 'p50', 'p95', 'p99'):>21} {ms(r.tpot_s, 'p50', 'p99'):>13} "
             f"{ms(r.itl_s, 'p50', 'p99'):>12} {ms(r.e2e_s, 'p50', 'p99'):>15} {r.goodput_rps:>6.2f} "
             f"{r.goodput_share:>5.2f} {r.cached_share:>6.2f} {sum(r.failed.values()):>4} "
@@ -140,8 +143,8 @@ RATIO_COLUMNS = (
 
 
 def ratio_rows(runs: Mapping[str, Sequence[RunResult]], baseline: str) -> list[dict[str, object]]:
-    """Each system's runs over the baseline's run with the same label, column by column."""
-    base = {r.label: r for r in runs[baseline]}
+    """Each system's runs over the baseline's run with the same label in the same round, column by column."""
+    base = {(r.label, r.round): r for r in runs[baseline]}
 
     def value(r: RunResult, field: str, q: str | None) -> float:
         v = getattr(r, field)
@@ -152,22 +155,12 @@ def ratio_rows(runs: Mapping[str, Sequence[RunResult]], baseline: str) -> list[d
         if system == baseline:
             continue
         for r in results:
-            b = base.get(r.label)
+            b = base.get((r.label, r.round))
             if b is None:
                 continue
-            row: dict[str, object] = {"system": system, "run": r.label}
+            row: dict[str, object] = {"system": system, "run": r.label, "round": r.round}
             for name, field, q in RATIO_COLUMNS:
                 den = value(b, field, q)
                 row[name] = value(r, field, q) / den if den and not math.isnan(den) else math.nan
             rows.append(row)
     return rows
-
-
-def ratios(runs: Mapping[str, Sequence[RunResult]], baseline: str) -> str:
-    head = f"{'run':<26}" + "".join(f"{name:>10}" for name, _, _ in RATIO_COLUMNS)
-    lines = [head]
-    for row in ratio_rows(runs, baseline):
-        cells = "".join(f"{row[name]:>10.2f}" for name, _, _ in RATIO_COLUMNS)
-        label = f"{row['system']} {row['run']}"
-        lines.append(f"{label:<26}{cells}")
-    return "\n".join(lines)
