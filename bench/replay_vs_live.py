@@ -2,18 +2,20 @@
 
     .venv/bin/python -m bench.engine_timing --out engine-timing.json
     .venv/bin/python -m bench.replay_vs_live --timing engine-timing.json \\
-        --systems aggregated2,aggregated2:least_loaded --sessions 8 --max-turns 8 --gap-scale 0.1 --rate 2
+        --systems aggregated2,aggregated2:least_loaded --sessions 8 --max-turns 8 --gap-scale 0.1 --rate 2 \\
+        --rounds 3
 
 1. The topology: deploy/local.yaml (or `--topology`) with `router.service_time.measured` from `--timing`
    (bench.engine_timing's JSON), so the live router and the replay's policies estimate with the same times.
-2. Live: `pdserve bench --side-by-side SYSTEMS --mode sessions ...` on it, every system started in turn
-   (`--live REPORT` reuses the JSON report of such a run instead).
+2. Live: `pdserve bench --side-by-side SYSTEMS --mode sessions --rounds N ...` on it, every system started
+   in turn, N rounds in alternating order (`--live REPORT` reuses the JSON report of such a run instead).
 3. Replay: the same sessions (the same scaled prompts, output lengths and gaps, bench/replay/live_sessions.py)
    started at the live run's start times, on each system's topology (its replica counts and
    `router.policy`), the engines timed by the fit.
-4. The table: per system, live against replay for TTFT and TPOT P50/P99, the cached share and the share
-   prefilled on decode, the error of each; per topology, pdserve's ratio to each cache-blind policy, live
-   against the replay's prediction.
+4. The table: per system, live (the median of the rounds, and their range) against replay for TTFT and TPOT
+   P50/P99, the cached share and the share prefilled on decode, the error of each; per topology, pdserve's
+   ratio to each cache-blind policy (live: read within each round, then the median) against the replay's
+   prediction.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import argparse
 import json
 import math
 import shutil
+import statistics
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -157,7 +160,7 @@ def replay_system(
     return Outcome.of_replay(records)
 
 
-def ratios(outcomes: dict[str, Outcome], systems: Sequence[str]) -> list[tuple[str, str, float, float]]:
+def ratios(outcomes: dict[str, Outcome], systems: Sequence[str]) -> list[tuple[str, str, str, float]]:
     """(system, baseline, metric, ratio) of pdserve's system to each cache-blind one on its topology."""
     out = []
     for s in systems:
@@ -167,48 +170,67 @@ def ratios(outcomes: dict[str, Outcome], systems: Sequence[str]) -> list[tuple[s
         for metric in ("ttft_p50", "ttft_p99", "tpot_p50", "cached_share"):
             a, b = getattr(outcomes[name], metric), getattr(outcomes[s], metric)
             out.append((name, s, metric, a / b if b else math.nan))
-    return out  # type: ignore[return-value]
+    return out
 
 
-def compare(live: dict[str, Outcome], replay: dict[str, Outcome], systems: Sequence[str]) -> dict[str, Any]:
-    """Every figure live, replayed and the error; pdserve's ratios to the baselines both ways."""
+def compare(
+    live_rounds: dict[str, list[Outcome]], replay: dict[str, Outcome], systems: Sequence[str]
+) -> dict[str, Any]:
+    """Every figure live (the median of the live rounds, with their range), replayed and the error; pdserve's
+    ratios to the baselines both ways (live: each round's ratio, the median of the rounds)."""
     rows = []
     for s in systems:
-        lv, rp = live[s], replay[s]
-        for field in ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99"):
-            a, b = getattr(lv, field), getattr(rp, field)
-            rows.append({"system": s, "metric": field, "live": a, "replay": b, "error": relative_error(b, a)})
-        for field in ("cached_share", "decode_prefill_share"):
-            a, b = getattr(lv, field), getattr(rp, field)
-            rows.append({"system": s, "metric": field, "live": a, "replay": b, "error": b - a})
-    live_ratios = {(a, b, m): r for a, b, m, r in ratios(live, systems)}
-    ratio_rows = [
-        {
-            "system": a,
-            "baseline": b,
-            "metric": m,
-            "live": live_ratios[(a, b, m)],
-            "replay": r,
-            "error": relative_error(r, live_ratios[(a, b, m)]),
-        }
-        for a, b, m, r in ratios(replay, systems)
-    ]
-    return {"figures": rows, "ratios": ratio_rows}
+        rounds, rp = live_rounds[s], replay[s]
+        for field in ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "cached_share", "decode_prefill_share"):
+            values = [getattr(o, field) for o in rounds]
+            a, b = statistics.median(values), getattr(rp, field)
+            error = b - a if field.endswith("share") else relative_error(b, a)
+            row = {"system": s, "metric": field, "live": a, "replay": b, "error": error}
+            rows.append(row | {"live_low": min(values), "live_high": max(values)})
+    per_round: dict[tuple[str, str, str], list[float]] = {}
+    for n in range(min(len(r) for r in live_rounds.values())):
+        for a, b, m, r in ratios({s: rounds[n] for s, rounds in live_rounds.items()}, systems):
+            per_round.setdefault((a, b, m), []).append(r)
+    ratio_rows = []
+    for a, b, m, r in ratios(replay, systems):
+        values = per_round[(a, b, m)]
+        live = statistics.median(values)
+        ratio_rows.append(
+            {
+                "system": a,
+                "baseline": b,
+                "metric": m,
+                "live": live,
+                "live_low": min(values),
+                "live_high": max(values),
+                "replay": r,
+                "error": relative_error(r, live),
+            }
+        )
+    return {"figures": rows, "ratios": ratio_rows, "rounds": min(len(r) for r in live_rounds.values())}
 
 
 def format_comparison(result: dict[str, Any]) -> str:
-    lines = [f"{'system':<26} {'metric':<22} {'live':>9} {'replay':>9} {'error':>8}"]
+    several = result.get("rounds", 1) > 1
+    live = f"live, median of {result['rounds']} rounds (range)" if several else "live"
+    lines = [f"{'system':<26} {'metric':<22} {live:>9} {'replay':>9} {'error':>8}"]
+
+    def shown(r: dict[str, Any], fmt: Any) -> str:
+        spread = f" ({fmt(r['live_low']).strip()}-{fmt(r['live_high']).strip()})" if several else ""
+        return str(fmt(r["live"])) + spread
+
     for r in result["figures"]:
         share = r["metric"].endswith("share")
         fmt = (lambda v: f"{v:9.3f}") if share else (lambda v: f"{1e3 * v:7.1f}ms")
         err = f"{r['error']:+8.3f}" if share else f"{r['error']:+8.0%}"
-        lines.append(f"{r['system']:<26} {r['metric']:<22} {fmt(r['live'])} {fmt(r['replay'])} {err}")
+        lines.append(f"{r['system']:<26} {r['metric']:<22} {shown(r, fmt)} {fmt(r['replay'])} {err}")
     if result["ratios"]:
         lines.append("")
-        lines.append(f"{'pdserve / baseline':<48} {'live':>9} {'replay':>9} {'error':>8}")
+        lines.append(f"{'pdserve / baseline':<48} {live:>9} {'replay':>9} {'error':>8}")
         for r in result["ratios"]:
             what = f"{r['system']} / {r['baseline']} {r['metric']}"
-            lines.append(f"{what:<48} {r['live']:9.3f} {r['replay']:9.3f} {r['error']:+8.0%}")
+            ratio = shown(r, lambda v: f"{v:9.3f}")
+            lines.append(f"{what:<48} {ratio} {r['replay']:9.3f} {r['error']:+8.0%}")
     return "\n".join(lines)
 
 
@@ -220,6 +242,12 @@ def _systems(text: str) -> list[str]:
             f"{', '.join(bad) or text!r}: pdserve systems on real engines, NAME or NAME:POLICY"
         )
     return chosen
+
+
+def _rounds(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a whole number of rounds, at least 1")
+    return int(text)
 
 
 def _system_timing(text: str) -> tuple[str, MeasuredTiming]:
@@ -261,6 +289,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=int, default=32, help="most output tokens of a turn")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--traces-dir", type=Path, default=DEFAULT_TRACES_DIR)
+    p.add_argument(
+        "--rounds", type=_rounds, default=1, help="live: the systems this many times, in alternating order"
+    )
     p.add_argument("--live", type=Path, default=None, help="a `pdserve bench --json` report of this run")
     p.add_argument(
         "--json",
@@ -290,12 +321,12 @@ def main(argv: list[str] | None = None) -> int:
         if missing := sorted(set(args.systems) - set(systems)):
             parser.error(f"--live {args.live}: no run of {', '.join(missing)}")
         max_model_len = next(iter(report["systems"].values()))["model"]["max_model_len"]
-        live = {s: Outcome.of_live(report["systems"][s]["results"][0]) for s in systems}
+        live_rounds = {s: [Outcome.of_live(r) for r in report["systems"][s]["results"]] for s in systems}
         timing_for = dict(args.timing_for)
         replay = {}
         for s in systems:
             replay[s] = replay_system(topo_file, s, args, max_model_len, timing_for.get(_parts(s)[0]))
-    result = compare(live, replay, systems)
+    result = compare(live_rounds, replay, systems)
     service_time = parse_topology(base).router.service_time
     print(f"service time: {service_time.describe()}")
     for name, fit_for in args.timing_for:
@@ -303,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     print(format_comparison(result))
     if args.json is not None:
         result |= {
-            "live": {k: asdict(v) for k, v in live.items()},
+            "live": {k: [asdict(o) for o in v] for k, v in live_rounds.items()},
             "replay": {k: asdict(v) for k, v in replay.items()},
             "fit": msgspec.to_builtins(fit),
             "fit_for": {name: msgspec.to_builtins(f) for name, f in args.timing_for},
@@ -323,7 +354,7 @@ def _live_report(args: argparse.Namespace, topo_file: Path, tmp: Path) -> dict[s
             "--mode", "sessions", "--sessions", str(args.sessions), "--max-turns", str(args.max_turns),
             "--gap-scale", str(args.gap_scale), "--rate", str(args.rate), "--arrival", str(args.arrival),
             "--output-len", f"fixed:{args.output_len}", "--seed", str(args.seed),
-            "--traces-dir", str(args.traces_dir), "--json", str(out),
+            "--traces-dir", str(args.traces_dir), "--rounds", str(args.rounds), "--json", str(out),
         ]
     )  # fmt: skip
     if code != 0 or not out.exists():

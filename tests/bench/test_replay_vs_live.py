@@ -20,7 +20,7 @@ from bench.replay.policies import available_policies
 from bench.replay.runner import replay_policy
 from bench.replay.sim import RequestRecord, SimConfig
 from bench.replay.traces import infinite_cache_hit_ratio
-from bench.replay_vs_live import Outcome, compare, main
+from bench.replay_vs_live import Outcome, compare, format_comparison, main
 from router.block_hash import hash_blocks
 from router.service_time import MeasuredEngine, MeasuredTiming
 
@@ -98,8 +98,8 @@ def _live_result(ttft: float, tpot: float, cached: float, local: float) -> dict[
 
 def test_the_comparison_states_each_error_and_pdserves_ratio_to_a_baseline_both_ways() -> None:
     live = {
-        "a": Outcome.of_live(_live_result(0.020, 0.005, 0.8, 1.0)),
-        "a:round_robin": Outcome.of_live(_live_result(0.040, 0.005, 0.6, 1.0)),
+        "a": [Outcome.of_live(_live_result(0.020, 0.005, 0.8, 1.0))],
+        "a:round_robin": [Outcome.of_live(_live_result(0.040, 0.005, 0.6, 1.0))],
     }
     replay = {
         "a": Outcome(ttft_p50=0.022, ttft_p99=0.04, tpot_p50=0.004, tpot_p99=0.01, cached_share=0.78,
@@ -117,6 +117,24 @@ def test_the_comparison_states_each_error_and_pdserves_ratio_to_a_baseline_both_
     assert ratio["ttft_p50"]["replay"] == pytest.approx(1.0)
     assert ratio["ttft_p50"]["error"] == pytest.approx(1.0)
     assert ratio["cached_share"]["replay"] == pytest.approx(0.78 / 0.65)
+
+
+def test_live_rounds_give_each_figures_median_and_each_ratio_read_within_its_round() -> None:
+    def live(*ttfts: float) -> list[Outcome]:
+        return [Outcome.of_live(_live_result(t, 0.005, 0.8, 1.0)) for t in ttfts]
+
+    # Round 2 ran everything slower; pdserve's TTFT was half the baseline's in two rounds of three.
+    rounds = {"a": live(0.010, 0.030, 0.012), "a:round_robin": live(0.020, 0.060, 0.010)}
+    replay = {s: Outcome.of_live(_live_result(0.015, 0.005, 0.8, 1.0)) for s in rounds}
+    result = compare(rounds, replay, ["a", "a:round_robin"])
+    assert result["rounds"] == 3
+    ttft = next(r for r in result["figures"] if (r["system"], r["metric"]) == ("a", "ttft_p50"))
+    assert (ttft["live"], ttft["live_low"], ttft["live_high"]) == (0.012, 0.010, 0.030)
+    assert ttft["error"] == pytest.approx(0.015 / 0.012 - 1)
+    ratio = next(r for r in result["ratios"] if r["metric"] == "ttft_p50")
+    # Not the ratio of the two medians (0.012 / 0.020): each round's ratio, then their median.
+    assert (ratio["live"], ratio["live_low"], ratio["live_high"]) == pytest.approx((0.5, 0.5, 1.2))
+    assert "median of 3 rounds" in format_comparison(result)
 
 
 def test_a_live_report_is_replayed_system_by_system(
@@ -245,7 +263,8 @@ def test_a_live_run_is_kept_beside_the_comparison_to_replay_again_with_another_t
     monkeypatch.setattr("bench.replay_vs_live.live_cli.main", live_bench)
     argv = ["--timing", str(timing), "--systems", ",".join(systems), "--sessions", "4", "--max-turns", "4"]
     first = tmp_path / "cmp.json"
-    assert main([*argv, "--json", str(first)]) == 0
+    assert main([*argv, "--rounds", "2", "--json", str(first)]) == 0
+    assert runs[0][runs[0].index("--rounds") + 1] == "2"  # the live run's rounds
     kept = tmp_path / "cmp.live.json"
     assert json.loads(kept.read_text()) == report
     again = tmp_path / "again.json"
