@@ -5,7 +5,9 @@ is started here in turn and sent the same seeded closed-loop workload after a wa
 (user + system) of its token-path processes is read before and after:
     pdserve: the Serve replica actors of its router and its engines (and `pdserve up`, which only watches)
     vllm:    its API server process
-Engine cores (`VLLM::EngineCore`, the model's compute) and Ray's daemons are reported apart.
+Engine cores (`VLLM::EngineCore`, the model's compute) and Ray's daemons are reported apart, and so is what
+the token path and the daemons spend idle (CPU-seconds per second, read before the windows): a fixed cost
+that a window's CPU per token includes its share of.
 
     .venv/bin/python -m bench.token_path_cpu --systems aggregated@0b48427,aggregated,vllm
 
@@ -168,7 +170,8 @@ class _Bench:
         self.args = args
         self.owners = Owners()
         self.rows: list[tuple[int, str, int, float, Any, dict[str, float]]] = []
-        self.idle: dict[tuple[int, str], float] = {}
+        # (round, system) -> CPU-seconds per second idle: (daemons, token path)
+        self.idle: dict[tuple[int, str], tuple[float, float]] = {}
 
     def restarted(self, systems: list[str]) -> None:
         """Each round starts every system in turn and stops it after."""
@@ -207,12 +210,14 @@ class _Bench:
                     if pdserve is not None:
                         del addresses[pdserve]
 
-    def _idle(self, system: str) -> float:
-        """CPU-seconds per second of the system's daemons, serving and sent nothing: the fixed cost."""
+    def _idle(self, system: str) -> tuple[float, float]:
+        """CPU-seconds per second of the system's daemons and of its token path, serving and sent nothing:
+        the fixed cost (a window's token-path CPU includes the latter's share of it)."""
         belongs = partial(self._belongs, system)
         before = cpu_by_kind(psutil.process_iter(), belongs)
         time.sleep(self.args.idle_s)
-        return spent(before, cpu_by_kind(psutil.process_iter(), belongs))["daemon"] / self.args.idle_s
+        used = spent(before, cpu_by_kind(psutil.process_iter(), belongs))
+        return used["daemon"] / self.args.idle_s, used["token"] / self.args.idle_s
 
     def _windows(self, n: int, system: str, address: str) -> None:
         """The workload at each concurrency against one system, after a warm-up; a row each (round n < 0:
@@ -266,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"\n{'round':>5} {'system':<22} {'c':>4} {'tok/s':>7} {'TTFT p50':>9} {'TPOT p50':>9} {'TPOT p99':>9}"
         f" {'failed':>6} {'token-path CPU s':>17} {'µs/token':>9} {'ms/request':>11} {'engine CPU s':>13}"
-        f" {'daemons CPU s/s':>16} {'idle':>5}"
+        f" {'daemons CPU s/s':>16} {'idle':>5} {'token path idle':>15}"
     )
     for n, system, clients, tokens, r, used in rows:
         daemons = used["daemon"] / r.duration_s
@@ -276,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
             f" {r.ttft_s['p50'] * 1e3:7.0f}ms {r.tpot_s['p50'] * 1e3:7.1f}ms {r.tpot_s['p99'] * 1e3:7.1f}ms"
             f" {sum(r.failed.values()):6d}"
             f" {used['token']:17.2f} {used['token'] / max(tokens, 1) * 1e6:9.0f} {per_request:11.2f}"
-            f" {used['engine']:13.2f} {daemons:16.2f} {idle[n, system]:5.2f}"
+            f" {used['engine']:13.2f} {daemons:16.2f} {idle[n, system][0]:5.2f} {idle[n, system][1]:15.3f}"
         )
     base_system = systems[-1]
     per_round = ratios(
