@@ -191,8 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.token_env and not args.token:
         return _fail(f"--token-env {args.token_env} is not set")
     try:
-        if args.rounds > 1 and not args.side_by_side:
-            return _fail("--rounds: only with --side-by-side")
+        if args.rounds > 1 and (not args.side_by_side or args.plots is not None):
+            return _fail("--rounds: only with --side-by-side, and without --plots (a plot draws one round)")
         if args.plots is not None:
             pyplot()  # before any run: a missing plotting library is not found out at the end
         if args.side_by_side:

@@ -77,3 +77,5 @@ def test_rounds_need_a_side_by_side(capsys: pytest.CaptureFixture[str]) -> None:
 
     assert main(["--rounds", "2"]) == 2
     assert "--rounds: only with --side-by-side" in capsys.readouterr().err
+    assert main(["--side-by-side", "pd,vllm", "--rounds", "2", "--plots", "p"]) == 2
+    assert "without --plots" in capsys.readouterr().err
