@@ -26,9 +26,10 @@ PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
 # prefilled on the decode replica that holds its context. disaggregate: always prefill on a prefill replica
 # (a decode replica prefills only when no prefill replica can).
 RouterMode = Literal["auto", "disaggregate"]
-# pdserve: the cost-based choice (router/policy/selector.py). round_robin, least_loaded: cache-blind baselines
-# (router/policy/cache_blind.py) to measure pdserve's routing against on a live cluster, not to serve with.
-RouterPolicy = Literal["pdserve", "round_robin", "least_loaded"]
+# pdserve: the cost-based choice (router/policy/selector.py). round_robin, least_loaded, session_hash:
+# cache-blind baselines (router/policy/cache_blind.py) to measure pdserve's routing against on a live cluster,
+# not to serve with.
+RouterPolicy = Literal["pdserve", "round_robin", "least_loaded", "session_hash"]
 
 
 class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

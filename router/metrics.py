@@ -114,8 +114,8 @@ class RouterMetrics:
             "holds: cheaper than the prefill hop's recompute), 'prefill_overflow' (the same because every "
             "prefill replica was backed up: the prefill pool is short of capacity), 'no_prefill_replica'; "
             "'affinity_' in front when a session stayed on its decode replica; 'unrouted' before any decode "
-            "replica was registered; 'round_robin', 'least_loaded' when a cache-blind baseline decides "
-            "(router.policy, for benchmarks).",
+            "replica was registered; 'round_robin', 'least_loaded', 'session_hash' when a cache-blind "
+            "baseline decides (router.policy, for benchmarks).",
             ["reason"],
             registry=r,
         )

@@ -39,7 +39,7 @@ from router.legs.leg_channel import LegChannel
 from router.legs.orchestrator import Orchestrator
 from router.legs.token_receiver import TokenReceiver
 from router.metrics import RouterMetrics
-from router.policy.cache_blind import LeastLoadedPolicy, RoundRobinPolicy
+from router.policy.cache_blind import LeastLoadedPolicy, RoundRobinPolicy, SessionHashPolicy
 from router.policy.selector import PdservePolicy
 from router.policy.types import Policy
 from router.sessions import Sessions
@@ -81,6 +81,7 @@ class RouterProcess:
             "pdserve": self.policy,
             "round_robin": RoundRobinPolicy(),
             "least_loaded": LeastLoadedPolicy(),
+            "session_hash": SessionHashPolicy(),
         }
         self.view = ClusterView(
             self._registry,

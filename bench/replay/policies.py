@@ -12,7 +12,7 @@ from bench.replay.baselines import (
     SGLangCacheAwarePolicy,
 )
 from router.config import RouterConfig
-from router.policy.cache_blind import LeastLoadedPolicy, RoundRobinPolicy
+from router.policy.cache_blind import LeastLoadedPolicy, RoundRobinPolicy, SessionHashPolicy
 from router.policy.selector import PdservePolicy
 from router.policy.types import Policy
 from router.service_time import Timing
@@ -44,6 +44,7 @@ def available_policies(router: RouterConfig | None = None) -> dict[str, PolicyFa
         "pdserve": pdserve,
         "round_robin": lambda _: RoundRobinPolicy(),
         "least_loaded": lambda _: LeastLoadedPolicy(),
+        "session_hash": lambda _: SessionHashPolicy(),
         # SGLang cache-aware: cache threshold / balance abs / balance rel = Rust router defaults
         # 0.5/32/1.1 and Python launcher defaults 0.3/64/1.5.
         "sglang_rust": lambda _: SGLangCacheAwarePolicy(RUST_DEFAULTS),

@@ -1,15 +1,18 @@
-"""Cache-blind policies: round robin and least loaded, the baselines pdserve's routing is measured against.
+"""Cache-blind policies: round robin, least loaded and session hash, the baselines pdserve's routing is
+measured against.
 
-A router runs one when the topology says `router.policy: round_robin` or `least_loaded`, so a benchmark can
-compare pdserve's choice with a cache-blind one on the same live cluster (`pdserve bench --side-by-side
-aggregated2,aggregated2:round_robin`); the replay runs them as `--policies round_robin,least_loaded`. Each
-picks the prefill replica by its own rule and the decode replica by its own (round robin) or by least load,
-and always disaggregates when a prefill replica is eligible. Their decisions' `predicted_*` fields come from
-the KV index, so hit metrics compare fairly with pdserve's.
+A router runs one when the topology says `router.policy: round_robin`, `least_loaded` or `session_hash`, so a
+benchmark can compare pdserve's choice with a cache-blind one on the same live cluster (`pdserve bench
+--side-by-side aggregated2,aggregated2:round_robin`); the replay runs them as `--policies
+round_robin,least_loaded`. Each picks the prefill and the decode replica by its own rule (the next one, the
+least loaded one, the one the session hashes to) and always disaggregates when a prefill replica is eligible.
+None reads the KV index to decide; their decisions' `predicted_*` fields come from it, so hit metrics compare
+fairly with pdserve's.
 """
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Sequence
 
 from router.errors import NoReplicaError
@@ -92,6 +95,43 @@ class LeastLoadedPolicy:
         pres = [p for p in prefill if p.eligible]
         p = min(pres, key=lambda r: (r.queued_prefill_tokens, r.queued_prefill_requests)) if pres else None
         return decision_of(req, p, d, cache, float(p.queued_prefill_tokens if p else 0), "least_loaded")
+
+    def on_finish(self, req: RouteRequest, d: Decision) -> None:
+        return None
+
+
+def session_replica(key: str, replica_ids: Sequence[str]) -> str:
+    """The replica of `replica_ids` that `key` hashes to: the same on every router and in every run while the
+    replicas are the same (CRC-32, not Python's salted hash, over the ids in sorted order)."""
+    if not replica_ids:
+        raise NoReplicaError("no replica to hash to")
+    ids = sorted(replica_ids)
+    return ids[zlib.crc32(key.encode()) % len(ids)]
+
+
+class SessionHashPolicy:
+    """Sticky sessions, blind to cache and load: each session's turns go to the decode (and prefill) replica
+    its id hashes to among the eligible ones (`session_replica`); a request without a session by its own id.
+    A consistent-hash router's baseline, and how a benchmark places a request on a chosen replica
+    (bench/served_timing.py)."""
+
+    name = "session_hash"
+
+    def choose(
+        self,
+        req: RouteRequest,
+        prefill: Sequence[ReplicaView],
+        decode: Sequence[ReplicaView],
+        cache: PrefixLookup,
+    ) -> Decision:
+        key = req.session_id or req.request_id
+        decs = {d.replica_id: d for d in decode if d.eligible}
+        if not decs:
+            raise NoReplicaError("no ready decode replica")
+        d = decs[session_replica(key, list(decs))]
+        pres = {p.replica_id: p for p in prefill if p.eligible}
+        p = pres[session_replica(key, list(pres))] if pres else None
+        return decision_of(req, p, d, cache, 0.0, "session_hash")
 
     def on_finish(self, req: RouteRequest, d: Decision) -> None:
         return None

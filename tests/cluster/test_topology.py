@@ -126,7 +126,7 @@ def test_an_empty_file_is_refused(text: str, tmp_path: Path) -> None:
         (
             "router: {policy: random}",
             "router.policy",
-            "invalid value 'random' (allowed: pdserve, round_robin, least_loaded)",
+            "invalid value 'random' (allowed: pdserve, round_robin, least_loaded, session_hash)",
         ),
     ],
 )
