@@ -5,19 +5,21 @@
 bench/engine_timing.py times the engines at their own interface, back to back. A request to a cluster pays
 more: the gRPC door, the router, the replica actor, the token channel back, and on a small machine the CPU
 those share with the engines; and an agent's turn reaches an engine that sat idle through the tool call.
-This script starts the topology's engines as two pdserve clusters in turn (bench/live/systems.py) and times
-requests at the client, each after an idle pause:
-- `aggregated` (one decode engine, no prefill pool; `--system aggregated2` for two): a decode step, B cached
-  prompts on each engine generating K+1 tokens (the client's time per output token, averaged over the
+This script starts the topology's engines as pdserve clusters in turn (bench/live/systems.py), each routed
+by session hash (`router.policy: session_hash`) so that the client chooses every request's decode replica,
+and times requests at the client, each after an idle pause:
+- `aggregated` (one decode engine, no prefill pool; `--system aggregated2` for two, the other left idle): a
+  decode step, B cached prompts generating K+1 tokens (the client's time per output token, averaged over the
   batch); a prefill, N new prompt tokens after C of the same session's cached ones, one output token (the
   client's time to first token less one step), N within a few tokens of the plan's and never the same count
   twice (`_Client.fresh`), as an agent's turns bring;
 - `pd` (every request through the prefill engine and a NIXL pull): the time to first token of N new tokens,
   less the aggregated fit's prefill and step: what the prefill hop and the pull add;
 - `aggregated2` (two decode engines, one a core, so nothing is left for the serving layer but the engines'
-  cores): a session-shaped turn (256 cached tokens, 32 new, 32 output) while k other streams run, wherever
-  the router puts them: how much slower its time to first token and its tokens get with k, fitted as
-  1 + x * sqrt(k) (`MeasuredTiming.prefill_contention`, `decode_contention`).
+  cores): a session-shaped turn (256 cached tokens, 32 new, 32 output) on one engine while k streams run on
+  the other: how much slower its time to first token and its tokens get with k, fitted as 1 + x * sqrt(k)
+  (`MeasuredTiming.prefill_contention`, `decode_contention`). What a batch costs its own members is in the
+  decode step's fit; this is what engines sharing a machine cost each other.
 It fits them in `MeasuredTiming`'s form (bench/engine_timing.py's `fit`), writes the samples and the fit as
 JSON and prints the `router.service_time` section. `python -m bench.replay_vs_live --timing FILE` replays
 with either file.
@@ -42,6 +44,7 @@ from bench.engine_timing import Plan, fit, write_report
 from bench.live.systems import started
 from bench.live.targets import Target, open_target
 from bench.live.workload import RAMP_OUTPUT, TOKEN_RANGE, Request, ramp
+from router.policy.cache_blind import session_replica
 from router.service_time import MeasuredEngine, MeasuredTiming
 
 REPO = Path(__file__).resolve().parents[1]
@@ -72,15 +75,23 @@ QUICK = Plan(
 
 
 class _Client:
-    """Fresh prompts, each sent to the cluster as a session of its own."""
+    """Fresh prompts, each sent to the cluster as a session of its own, on a replica of the client's choosing:
+    the cluster runs `router.policy: session_hash` (router/policy/cache_blind.py), so a session's id decides
+    its decode replica, and every answer is checked against it. What is timed runs on `home`; what loads the
+    machine beside it (`measure_contention`) on `away`."""
 
-    def __init__(self, target: Target, max_model_len: int, engines: int = 1) -> None:
+    def __init__(self, target: Target, max_model_len: int, decode_replicas: list[str]) -> None:
+        if not decode_replicas:
+            raise RuntimeError("the cluster lists no decode replica")
         self.target = target
         self.room = max_model_len - 2
-        self.engines = engines  # decode replicas: the router spreads a batch's requests over them
+        self.replicas = sorted(decode_replicas)
+        self.home = self.replicas[0]
+        self.away = self.replicas[-1]
         self._rng = random.Random(0)
         self._ids = itertools.count()
         self._counts: set[int] = set()
+        self._placed: dict[str, str] = {}  # session -> the decode replica it hashes to
 
     def prompt(self, n: int) -> list[int]:
         return [self._rng.randint(*TOKEN_RANGE) for _ in range(n)]
@@ -97,15 +108,21 @@ class _Client:
                     return count
         raise ValueError(f"no unused token count in 1..{most}")
 
-    def session(self) -> str:
-        return f"timing-{next(self._ids)}"
+    def session(self, on: str | None = None) -> str:
+        """A new session id whose turns go to decode replica `on` (default: `home`)."""
+        on = on or self.home
+        sid = next(s for s in (f"timing-{i}" for i in self._ids) if session_replica(s, self.replicas) == on)
+        self._placed[sid] = on
+        return sid
 
     async def warm(self) -> None:
-        """Prompts up to the whole context first (`ramp`), as `pdserve bench` warms up: the first ones after
-        a start cost up to twice what they do after, and the live run a replay is compared with is warm."""
-        for req in ramp(self.room - RAMP_OUTPUT, 0, self._rng):
-            self._counts.add(len(req.token_ids))
-            await self.send(req.token_ids, req.max_tokens, self.session())
+        """Prompts up to the whole context first (`ramp`) on every decode replica, as `pdserve bench` warms
+        up: the first ones after a start cost up to twice what they do after, and the live run a replay is
+        compared with is warm."""
+        for replica in self.replicas:
+            for req in ramp(self.room - RAMP_OUTPUT, 0, self._rng):
+                self._counts.add(len(req.token_ids))
+                await self.send(req.token_ids, req.max_tokens, self.session(replica))
 
     async def send(self, prompt: list[int], max_tokens: int, session: str) -> tuple[float, float]:
         """(time to first token, time per output token after it) at the client."""
@@ -114,6 +131,11 @@ class _Client:
         )
         if not timed.ok or timed.ttft is None:
             raise RuntimeError(f"a timing request ended {timed.status}")
+        if timed.decode_replica != self._placed[session]:
+            raise RuntimeError(
+                f"a timing request for decode replica {self._placed[session]} was decoded on "
+                f"{timed.decode_replica or 'an unnamed one'}: the cluster must route by session_hash"
+            )
         return timed.ttft, timed.tpot or 0.0
 
 
@@ -146,11 +168,8 @@ async def measure_aggregated(client: _Client, plan: Plan, say: Callable[[str], N
     decode = []
     for batch, context in itertools.product(plan.decode_batch, plan.decode_context):
         if context + plan.decode_steps <= client.room:
-            # `batch` sequences on each decode engine.
-            total = batch * client.engines
-            s = await _median(plan.repeats, partial(_step_s, client, total, context, plan.decode_steps))
-            per_engine = {"batch": batch, "context": batch * (context + plan.decode_steps / 2), "s": s}
-            decode.append(per_engine | {"others": total - batch})
+            s = await _median(plan.repeats, partial(_step_s, client, batch, context, plan.decode_steps))
+            decode.append({"batch": batch, "context": batch * (context + plan.decode_steps / 2), "s": s})
             say(f"decode step, {batch:3d} sequences of {context:5d} tokens: {s * 1e3:8.2f} ms")
     ttft = []
     for new, cached in itertools.product(plan.prefill_new, plan.prefill_cached):
@@ -174,12 +193,13 @@ async def measure_pd(client: _Client, plan: Plan, say: Callable[[str], None]) ->
 
 
 async def _contended_s(client: _Client, others: int, repeats: int) -> tuple[float, float]:
-    """Median (time to first token, time per output token) of a session's turn while `others` streams run."""
+    """Median (time to first token, time per output token) of a session's turn on `home` while `others`
+    streams run on `away`: what engines sharing a machine cost each other, not what a batch costs its own."""
     running = True
 
     async def stream(i: int) -> None:
         while running:
-            await client.send(client.prompt(64), 200, client.session())
+            await client.send(client.prompt(64), 200, client.session(client.away))
 
     streams = [asyncio.create_task(stream(i)) for i in range(others)]
     try:
@@ -202,6 +222,8 @@ async def _contended_s(client: _Client, others: int, repeats: int) -> tuple[floa
 async def measure_contention(
     client: _Client, streams: tuple[int, ...], repeats: int, say: Callable[[str], None]
 ) -> list[dict[str, float]]:
+    if client.away == client.home:
+        raise RuntimeError("contention is timed on two decode replicas; the cluster has one")
     await client.warm()
     await _contended_s(client, 0, 1)
     out = []
@@ -233,13 +255,10 @@ def fit_served(
     aggregated: dict[str, list], pd: list[dict[str, float]], contention: list[dict[str, float]] | None = None
 ) -> tuple[dict[str, list], MeasuredTiming]:
     """The samples in engine_timing's shape and their fit: a prefill is the time to first token less one
-    step of its own sequence; a pull what the P/D path adds to that prefill and step. With `contention`,
-    a decode point timed beside other engines' sequences (`others`, on two engines) is taken at what it
-    would be alone: the replay charges the contention itself."""
-    x_prefill, x_decode = fit_contention(contention) if contention else (0.0, 0.0)
-    decode = [
-        {**d, "s": d["s"] / (1.0 + x_decode * math.sqrt(d.get("others", 0)))} for d in aggregated["decode"]
-    ]
+    step of its own sequence; a pull what the P/D path adds to that prefill and step. `contention` (timed
+    on two engines) gives the slowdown the replay charges an engine while the other runs; every other point
+    was timed on one engine with the other idle."""
+    decode = aggregated["decode"]
     decode_only = fit({"prefill": [{"new": 1, "cached": 0, "s": 0.0}], "decode": decode,
                        "transfer": [{"tokens": 1, "s": 0.0}]})  # fmt: skip
     steps = MeasuredEngine(fit=decode_only)
@@ -258,6 +277,7 @@ def fit_served(
     fitted = fit(samples)
     if contention:
         samples["contention"] = contention
+        x_prefill, x_decode = fit_contention(contention)
         fitted = msgspec.structs.replace(fitted, prefill_contention=x_prefill, decode_contention=x_decode)
     return samples, fitted
 
@@ -282,8 +302,8 @@ def main(argv: list[str] | None = None) -> int:
         target = open_target(address)
         try:
             served = await target.served()
-            engines = sum(r["role"] == "decode" for r in served.replicas)
-            return await part(_Client(target, served.max_model_len, engines), plan, say)  # type: ignore[misc]
+            decode = [r["replica_id"] for r in served.replicas if r["role"] == "decode"]
+            return await part(_Client(target, served.max_model_len, decode), plan, say)  # type: ignore[misc]
         finally:
             await target.aclose()
 
@@ -298,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         system = name.split(":")[0]
         say(f"starting {system} ...")
         try:
-            with started(system, args.topology) as address:
+            with started(f"{system}:session_hash", args.topology) as address:
                 measured[name] = asyncio.run(against(address, part))
         except (RuntimeError, TimeoutError) as exc:
             print(f"bench.served_timing: {system}: {exc}", file=sys.stderr)

@@ -26,6 +26,7 @@ class Timed:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     path: str = ""
+    decode_replica: str = ""  # where pdserve decoded it ("": another server, or not said)
     status: str = "OK"
 
     def on_tokens(self, now: float, n: int) -> None:

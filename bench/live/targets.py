@@ -145,6 +145,7 @@ class GrpcTarget:
                     t.prompt_tokens = final.usage.prompt_tokens
                     t.cached_tokens = final.usage.cached_tokens
                     t.path = pb.ServingPath.Name(final.served_by.path).removeprefix("SERVING_PATH_").lower()
+                    t.decode_replica = final.served_by.decode_replica
         except PdserveError as exc:
             t.status = exc.code.name
         return t
@@ -249,6 +250,7 @@ class HttpTarget:
                 t.on_tokens(now, n)
         if served_by := chunk.get("pdserve"):  # pdserve's door says how it served the request
             t.path = served_by.get("path", "")
+            t.decode_replica = served_by.get("decode_replica", "")
         if usage := chunk.get("usage"):
             t.end = now
             t.completion_tokens = usage["completion_tokens"]

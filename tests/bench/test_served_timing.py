@@ -1,8 +1,9 @@
-"""Timing a cluster at the client (bench/served_timing.py): what each probe sends, and the fit.
+"""Timing a cluster at the client (bench/served_timing.py): what each probe sends, where, and the fit.
 
-The probes run against real clusters in `python -m bench.served_timing` (minutes: two clusters started);
-here a recording stand-in for the client's target shows what they send, and the fit is checked on samples
-made from known coefficients."""
+The probes run against real clusters in `python -m bench.served_timing` (minutes: three clusters started);
+here a recording stand-in for the client's target, placing sessions as `router.policy: session_hash` does,
+shows what they send and to which replica, and the fit is checked on samples made from known
+coefficients."""
 
 from __future__ import annotations
 
@@ -12,29 +13,45 @@ import pytest
 
 from bench.engine_timing import Plan
 from bench.live.runner import Timed
-from bench.live.workload import Request
+from bench.live.workload import RAMP_STEPS, Request
 from bench.served_timing import _Client, _step_s, _ttft_s, fit_contention, fit_served
+from router.policy.cache_blind import session_replica
 from router.service_time import MeasuredEngine, MeasuredTiming
+
+ONE = ["decode#a"]
+TWO = ["decode#b", "decode#a"]  # `home` is the first in sorted order: decode#a
 
 
 class _Recorder:
-    """A target that answers at once and remembers every request."""
+    """A target that answers at once, decodes each session where session_hash would (or, `misplaced`,
+    always on the first replica listed) and remembers every request with its replica."""
 
     address = "recorder"
 
-    def __init__(self) -> None:
+    def __init__(self, replicas: list[str], misplaced: bool = False) -> None:
+        self.replicas = replicas
+        self.misplaced = misplaced
         self.sent: list[Request] = []
+        self.on: list[str] = []
 
     async def send(self, req: Request, timeout_s: float) -> Timed:
+        assert req.session_id is not None
+        await asyncio.sleep(0)  # as a real answer does, other tasks run meanwhile
+        replica = self.replicas[0] if self.misplaced else session_replica(req.session_id, self.replicas)
         self.sent.append(req)
-        t = Timed(sent=0.0, first_token=0.01, end=0.01 + 0.003 * (req.max_tokens - 1))
+        self.on.append(replica)
+        t = Timed(sent=0.0, first_token=0.01, end=0.01 + 0.003 * (req.max_tokens - 1), decode_replica=replica)
         t.completion_tokens = req.max_tokens
         return t
 
 
+def _client(target: _Recorder) -> _Client:
+    return _Client(target, max_model_len=2048, decode_replicas=target.replicas)  # type: ignore[arg-type]
+
+
 def test_a_prefill_probe_sends_the_cached_head_first_in_the_same_session() -> None:
-    target = _Recorder()
-    client = _Client(target, max_model_len=2048)  # type: ignore[arg-type]
+    target = _Recorder(ONE)
+    client = _client(target)
     ttft = asyncio.run(_ttft_s(client, new=32, cached=64))
     head, full = target.sent
     assert ttft == pytest.approx(0.01)
@@ -48,8 +65,8 @@ def test_a_prefill_probe_sends_the_cached_head_first_in_the_same_session() -> No
 
 
 def test_a_decode_probe_caches_its_prompts_then_times_k_more_tokens_each() -> None:
-    target = _Recorder()
-    client = _Client(target, max_model_len=2048)  # type: ignore[arg-type]
+    target = _Recorder(ONE)
+    client = _client(target)
     step = asyncio.run(_step_s(client, batch=3, context=64, steps=8))
     assert step == pytest.approx(0.003)
     assert [r.max_tokens for r in target.sent] == [1, 1, 1, 9, 9, 9]
@@ -119,16 +136,46 @@ def _one_point(batch: int, steps: int) -> Plan:
     )
 
 
-def test_on_two_decode_engines_a_decode_point_sends_its_batch_to_each() -> None:
+def test_on_two_decode_engines_a_decode_point_runs_its_batch_on_one_the_other_idle() -> None:
     from bench.served_timing import measure_aggregated
 
-    target = _Recorder()
-    client = _Client(target, max_model_len=2048, engines=2)  # type: ignore[arg-type]
+    target = _Recorder(TWO)
+    client = _client(target)
     samples = asyncio.run(measure_aggregated(client, _one_point(batch=3, steps=8), lambda line: None))
-    assert samples["decode"] == [
-        {"batch": 3, "context": 3 * (64 + 4), "s": pytest.approx(0.003), "others": 3}
-    ]
-    assert sum(r.max_tokens == 9 for r in target.sent) == 6  # 3 on each engine
+    assert samples["decode"] == [{"batch": 3, "context": 3 * (64 + 4), "s": pytest.approx(0.003)}]
+    timed = [on for r, on in zip(target.sent, target.on, strict=True) if r.max_tokens == 9]
+    assert timed == ["decode#a"] * 3
+    # The warm-up (RAMP_STEPS prompts) ran on both engines; everything timed after it, on the one.
+    warm = 2 * RAMP_STEPS
+    assert set(target.on[:warm]) == set(TWO) and set(target.on[warm:]) == {"decode#a"}
+
+
+def test_contention_times_a_turn_on_one_engine_while_the_streams_run_on_the_other() -> None:
+    from bench.served_timing import _contended_s
+
+    target = _Recorder(TWO)
+    client = _client(target)
+    asyncio.run(_contended_s(client, others=2, repeats=2))
+    turns = [on for r, on in zip(target.sent, target.on, strict=True) if r.max_tokens in (1, 33)]
+    streams = [on for r, on in zip(target.sent, target.on, strict=True) if r.max_tokens == 200]
+    assert turns == ["decode#a"] * 4 and len(streams) >= 2 and set(streams) == {"decode#b"}
+
+
+def test_contention_needs_two_decode_replicas_and_a_cluster_that_places_by_session() -> None:
+    from bench.served_timing import measure_contention
+
+    with pytest.raises(RuntimeError, match="two decode replicas"):
+        asyncio.run(measure_contention(_client(_Recorder(ONE)), (0,), 1, lambda line: None))
+    # A router that places sessions its own way would time the wrong engine: the timing stops.
+    with pytest.raises(RuntimeError, match="must route by session_hash"):
+        asyncio.run(_contended_s_misplaced())
+
+
+async def _contended_s_misplaced() -> None:
+    from bench.served_timing import _contended_s
+
+    target = _Recorder(["decode#b", "decode#a"], misplaced=True)  # everything decoded on decode#b
+    await _contended_s(_client(target), others=0, repeats=1)
 
 
 @pytest.mark.parametrize("part", ["aggregated", "pd", "contention"])
@@ -136,8 +183,8 @@ def test_each_part_warms_its_cluster_up_to_the_whole_context_before_it_times_any
     from bench.live.workload import RAMP_OUTPUT
     from bench.served_timing import measure_aggregated, measure_contention, measure_pd
 
-    target = _Recorder()
-    client = _Client(target, max_model_len=2048)  # type: ignore[arg-type]
+    target = _Recorder(TWO if part == "contention" else ONE)
+    client = _client(target)
     plan = _one_point(batch=1, steps=4)
     say = lambda line: None  # noqa: E731
     run = {
@@ -146,21 +193,22 @@ def test_each_part_warms_its_cluster_up_to_the_whole_context_before_it_times_any
         "contention": lambda: measure_contention(client, (0,), 1, say),
     }[part]
     asyncio.run(run())
-    first = [len(r.token_ids) for r in target.sent[:4]]
-    assert first == sorted(first) and first[-1] == 2046 - RAMP_OUTPUT  # up to the context, longest last
-    assert all(len(r.token_ids) < 2000 for r in target.sent[4:])  # what it times comes after
+    for replica in target.replicas:  # each decode engine warmed, then the next
+        n = target.on.index(replica)
+        first = [len(r.token_ids) for r in target.sent[n : n + RAMP_STEPS]]
+        assert first == sorted(first) and first[-1] == 2046 - RAMP_OUTPUT  # up to the context, longest last
+    assert all(len(r.token_ids) < 2000 for r in target.sent[RAMP_STEPS * len(target.replicas) :])
     timed = [client.fresh(first[-1], first[-1])]  # the warm-up's counts are not handed out as fresh again
     assert timed != [first[-1]]
 
 
-def test_a_decode_point_timed_beside_another_engines_batch_is_fitted_at_what_it_would_be_alone() -> None:
+def test_contention_adds_the_engines_slowdown_and_leaves_the_batch_cost_of_the_decode_step_as_timed() -> None:
+    # Each decode point was timed on one engine with the other idle: the contention samples (a turn on one
+    # engine, streams on the other) must not be divided out of them (a batch costs its own members).
     quiet = MeasuredEngine(fit=TRUTH)
     contention = [{"others": 0, "ttft": 0.01, "tpot": 0.003}, {"others": 4, "ttft": 0.01, "tpot": 0.006}]
-    x = fit_contention(contention)[1]  # 0.5: twice as slow beside four others
     decode = [
-        {"batch": b, "context": b * c, "s": quiet.tpot_s(b, b * c) * (1 + x * b**0.5), "others": b}
-        for b in (1, 4, 16)
-        for c in (100, 500)
+        {"batch": b, "context": b * c, "s": quiet.tpot_s(b, b * c)} for b in (1, 4, 16) for c in (100, 500)
     ]
     ttft = [
         {"new": n, "cached": 0, "ttft": quiet.prefill_s(n, 0) + quiet.tpot_s(1, n)} for n in (32, 256, 1024)
@@ -169,16 +217,17 @@ def test_a_decode_point_timed_beside_another_engines_batch_is_fitted_at_what_it_
         {"tokens": t, "ttft": quiet.prefill_s(t, 0) + quiet.transfer_s(t) + quiet.tpot_s(1, t)}
         for t in (64, 256)
     ]
-    _, fitted = fit_served({"decode": decode, "ttft": ttft}, pd, contention)
+    samples, fitted = fit_served({"decode": decode, "ttft": ttft}, pd, contention)
     assert fitted.decode_step_s == pytest.approx(0.003) and fitted.decode_seq_s == pytest.approx(0.0005)
-    assert fitted.decode_contention == pytest.approx(0.5)
+    assert (fitted.prefill_contention, fitted.decode_contention) == pytest.approx((0.0, 0.5))
+    assert samples["contention"] == contention
 
 
 def test_timed_prompts_never_repeat_a_token_count_and_stay_near_the_planned_one() -> None:
     # vLLM on a CPU steps a token count it has run lately faster than a new one, and agents' turns bring
     # new ones: repeats of one planned size must not all time the warm case.
-    target = _Recorder()
-    client = _Client(target, max_model_len=2048)  # type: ignore[arg-type]
+    target = _Recorder(ONE)
+    client = _client(target)
     for _ in range(5):
         asyncio.run(_ttft_s(client, new=32, cached=64))
     timed = [len(r.token_ids) - 64 for r in target.sent[1::2]]
