@@ -76,6 +76,16 @@ def test_every_router_setting_applies_in_place(process: RouterProcess) -> None:
     assert "s" in process.sessions
 
 
+def test_every_router_policy_a_topology_can_name_is_one_the_router_runs(process: RouterProcess) -> None:
+    import typing
+
+    from router.config import RouterPolicy
+
+    for name in typing.get_args(RouterPolicy):
+        process.reconfigure(msgspec.convert({"policy": name}, RouterConfig))
+        assert process.decider._policy.name == name
+
+
 def test_status_says_ready_only_once_this_router_routes_to_the_replica() -> None:
     from replicas import replica_info
 
