@@ -47,10 +47,6 @@ class Registry:
         """The deployed topology (plain data): what a router started as a Serve replica serves."""
         return self._topology
 
-    def router_config(self) -> dict[str, Any] | None:
-        """The deployed topology's `router` section (plain data; the router validates it)."""
-        return (self._topology or {}).get("router")
-
     def publish(self, info: ReplicaInfo) -> DispatchedLoad:
         """A replica's heartbeat; answered with what the live routers have dispatched to it and not seen end
         (the queue its pool's autoscaling policy reads: cluster/autoscaling.py)."""
@@ -103,10 +99,12 @@ class Registry:
             self._reported.setdefault(replica_id, reason)
 
     def sync(self, report: RouterReport) -> ClusterState:
-        """A router's poll: its report in, the replicas and every other live router's report out."""
+        """A router's poll: its report in; the replicas, every other live router's report and the deployed
+        router settings out."""
         self._routers[report.router_id] = (report, time.monotonic())
         others = [r for r in self.routers() if r.router_id != report.router_id]
-        return ClusterState(replicas=self.snapshot(), routers=others)
+        settings = (self._topology or {}).get("router")
+        return ClusterState(replicas=self.snapshot(), routers=others, router_settings=settings)
 
     def routers(self) -> list[RouterReport]:
         """Every live router's last report."""

@@ -317,7 +317,9 @@ class RouterReport(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class ClusterState(msgspec.Struct, frozen=True, kw_only=True):
-    """What a router reads back at every poll: the replicas, and every other live router's report."""
+    """What a router reads back at every poll: the replicas, every other live router's report, and the
+    deployed topology's `router` section (plain data: each router validates it and applies it in place)."""
 
     replicas: list[ReplicaInfo]
     routers: list[RouterReport] = []
+    router_settings: dict[str, Any] | None = None

@@ -90,6 +90,8 @@ class RouterProcess:
             router_id=_replica_id(),
         )
         self.view.report = self._report
+        self._deployed: dict[str, Any] | None = None  # the deployed router section last applied
+        self.view.on_router_settings = self._follow_deployed
         self._node_id = _node_id()
         self._metrics_address = ""  # where /metrics listens, once it does
         self.metrics.watch(model.name, lambda: self.view.replicas, self.view.load)
@@ -160,21 +162,16 @@ class RouterProcess:
             self.decider.use_policy(self._policies[router.policy])
         log.info("router settings applied in place: %s", _changed(old, router))
 
-    async def _follow_config(self, every_s: float = 1.0) -> None:
-        """Poll the deployed `router` section (the registry holds the topology `pdserve apply` deployed)."""
-        while True:
-            await asyncio.sleep(every_s)
-            try:
-                raw = await self._registry.router_config.remote()
-            except Exception as exc:  # the registry restarting: keep the settings in use
-                log.warning("reading the deployed router settings failed (keeping the current ones): %s", exc)
-                continue
-            if raw is None:
-                continue
-            try:
-                self.reconfigure(msgspec.convert(raw, RouterConfig))
-            except msgspec.ValidationError as exc:  # validated by apply; only a hand-made deploy gets here
-                log.error("deployed router settings refused, keeping the current ones: %s", exc)
+    def _follow_deployed(self, raw: dict[str, Any]) -> None:
+        """The deployed `router` section, as the view's registry poll read it (the registry holds the
+        topology `pdserve apply` deployed): applied when it changed."""
+        if raw == self._deployed:
+            return
+        self._deployed = raw
+        try:
+            self.reconfigure(msgspec.convert(raw, RouterConfig))
+        except msgspec.ValidationError as exc:  # validated by apply; only a hand-made deploy gets here
+            log.error("deployed router settings refused, keeping the current ones: %s", exc)
 
     async def _follow_health(self, health: Any, every_s: float = 0.25) -> None:
         while True:
@@ -234,7 +231,6 @@ class RouterProcess:
         cfg = self.server
         await self.view.refresh()
         view_task = asyncio.create_task(self.view.run(), name="cluster-view")
-        config_task = asyncio.create_task(self._follow_config(), name="router-config")
         self._metrics_address = self._serve_metrics()
         server, health = await start_grpc_server(
             self.service, host=cfg.grpc_host, port=cfg.grpc_port, tls=self._tls, auth_token=self._token
@@ -254,7 +250,6 @@ class RouterProcess:
             # In-flight streams get a grace period to finish; new calls are refused meanwhile.
             await server.stop(grace=10.0)
             view_task.cancel()
-            config_task.cancel()
             self.leg_channel.close()
             self.tokens.close()
             await self._withdraw()

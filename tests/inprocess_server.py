@@ -39,8 +39,8 @@ from router.view.cluster_view import ClusterView
 
 class StandInRegistry:
     """The registry's snapshot lists `entries` (default: one decode replica, D1), and a poll also reads back
-    `routers` (the other routers' reports); a test may change both between polls. `reports`: what the
-    router reported at each poll."""
+    `routers` (the other routers' reports) and `router_settings` (the deployed router section); a test may
+    change them between polls. `reports`: what the router reported at each poll."""
 
     class _Call:
         def __init__(self, answer: Any) -> None:
@@ -55,6 +55,7 @@ class StandInRegistry:
     def __init__(self, entries: list[ReplicaInfo] | None = None) -> None:
         self.entries = [replica_info("D1")] if entries is None else entries
         self.routers: list[RouterReport] = []
+        self.router_settings: dict[str, Any] | None = None
         self.reports: list[RouterReport] = []
         self.snapshot = self._Call(lambda: list(self.entries))
         self.sync = self._Call(self._sync)
@@ -63,7 +64,9 @@ class StandInRegistry:
 
     def _sync(self, report: RouterReport) -> ClusterState:
         self.reports.append(report)
-        return ClusterState(replicas=list(self.entries), routers=list(self.routers))
+        return ClusterState(
+            replicas=list(self.entries), routers=list(self.routers), router_settings=self.router_settings
+        )
 
 
 async def listed_view(registry: StandInRegistry | None = None) -> ClusterView:

@@ -7,6 +7,8 @@
   registry's heartbeat stats, refreshes it. Several routers: each poll also reports this router's load in
   flight (a `RouterReport`) and reads back the other routers', which the load adds to its own, and which
   admission counts (`peer_admitted_tokens`).
+- The same poll reads the deployed router settings (`pdserve apply`); the router process applies them
+  in place.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ class ClusterView:
             router_id=self.router_id, replicas=self.load.dispatched()
         )
         self.peers: list[RouterReport] = []  # the other routers, as they last reported
+        # Given the deployed topology's `router` section at each poll that carries one.
+        self.on_router_settings: Callable[[dict[str, Any]], None] = lambda raw: None
         self._known: dict[str, ReplicaInfo] = {}
         self._subscribers: dict[str, asyncio.Task[None]] = {}
         # Replicas this router saw fail, before the registry says so (replica ids are never reused).
@@ -82,6 +86,8 @@ class ClusterView:
         self.sync(state.replicas)
         self.peers = [r for r in state.routers if r.router_id != self.router_id]
         self.load.set_peers([r.replicas for r in self.peers])
+        if state.router_settings is not None:
+            self.on_router_settings(state.router_settings)
 
     @property
     def peer_admitted_tokens(self) -> int:

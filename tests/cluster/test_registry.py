@@ -132,3 +132,10 @@ def test_routers_meet_at_the_registry_each_reads_the_others_and_a_silent_one_exp
     assert [r.router_id for r in reg.routers()] == ["r1"]
     reg.withdraw_router("r1")  # a router stopping leaves at once
     assert reg.routers() == []
+
+
+def test_each_poll_carries_the_deployed_router_settings() -> None:
+    reg = Registry()
+    assert reg.sync(RouterReport(router_id="r1")).router_settings is None  # deployed by hand, no topology
+    reg.reconfigure({"topology": {"router": {"stream_batch_tokens": 4}}})  # what `pdserve apply` deploys
+    assert reg.sync(RouterReport(router_id="r1")).router_settings == {"stream_batch_tokens": 4}

@@ -135,3 +135,25 @@ async def test_each_poll_reports_this_routers_load_and_admission_counts_the_othe
     registry.routers = []
     await process.view.refresh()
     process.decider.route("r2", None, list(range(200)), Sampling(max_tokens=4))
+
+
+async def test_the_registry_poll_applies_the_deployed_router_settings_once_each(
+    process: RouterProcess, caplog: pytest.LogCaptureFixture
+) -> None:
+    from inprocess_server import StandInRegistry
+
+    registry = StandInRegistry(entries=[])
+    process.view._registry = registry
+    await process.view.refresh()  # nothing deployed: the topology's settings stay
+    assert process.legs._stream() == StreamBatch(tokens=4, ms=20.0)
+    registry.router_settings = {"stream_batch_tokens": 2}  # `pdserve apply` changed a setting
+    await process.view.refresh()
+    assert process.legs._stream() == StreamBatch(tokens=2, ms=20.0)
+    registry.router_settings = {"stream_batch_tokens": 2, "policy": "no_such_policy"}  # a hand-made deploy
+    with caplog.at_level("ERROR", logger=app.__name__):
+        await process.view.refresh()
+        await process.view.refresh()
+    assert process.config.current.stream_batch_tokens == 2 and process.config.current.policy == "pdserve"
+    refused = [r for r in caplog.records if "deployed router settings refused" in r.getMessage()]
+    assert len(refused) == 1  # said once, not at every poll
+    assert "no_such_policy" in refused[0].getMessage()
