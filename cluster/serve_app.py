@@ -28,13 +28,17 @@ from engine.replica import EngineReplica
 from engine.spec import EngineSpec
 from prefill.prefill_replica import PrefillReplica
 
-# Ray starts its workers at niceness 15, below its own daemons and anything else on the node. pdserve's
-# replicas are the serving path (the router's event loop; the engine host and its engine-core process, which
-# inherits the niceness) and the registry whose heartbeats keep replicas routable: at 15 they lose every
-# contended core to the engines they coordinate. A worker reads this from its environment when it starts.
-SERVING_PRIORITY_ENV = {"RAY_worker_niceness": "0"}
+# The serving deployments' environment, which a worker reads when it starts:
+# - Ray starts its workers at niceness 15, below its own daemons and anything else on the node. pdserve's
+#   replicas are the serving path (the router's event loop; the engine host and its engine-core process, which
+#   inherits the niceness) and the registry whose heartbeats keep replicas routable: at 15 they lose every
+#   contended core to the engines they coordinate.
+# - Serve exports each replica's and each handle's request metrics every 100 ms by default: ten wake-ups a
+#   second in every actor, idle or not. pdserve's requests do not pass Serve's handles (only control calls
+#   do), so once a second loses nothing.
+SERVING_ENV = {"RAY_worker_niceness": "0", "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000"}
 # The registry's options are its code's (a deployment config gives it none): no CPU, normal priority.
-REGISTRY_ACTOR_OPTIONS = {"num_cpus": 0, "runtime_env": {"env_vars": SERVING_PRIORITY_ENV}}
+REGISTRY_ACTOR_OPTIONS = {"num_cpus": 0, "runtime_env": {"env_vars": SERVING_ENV}}
 
 
 def engine_spec(topo: Topology, role: str) -> EngineSpec:

@@ -38,7 +38,7 @@ from cluster.kuberay import (
     worker_group,
 )
 from cluster.router_replica import router_deployment_config
-from cluster.serve_app import SERVING_PRIORITY_ENV, app_args, engine_spec
+from cluster.serve_app import SERVING_ENV, app_args, engine_spec
 from cluster.topology import NodeGroup, Pool, Topology
 from engine.spec import EngineSpec, spec_env
 from router.legs.replica_hint import IMPORT_PATH as HINT_ROUTER_IMPORT_PATH
@@ -74,7 +74,7 @@ def compile_serve_config(
         # same priority), and any options here would replace them.
         if deployment["name"] != REGISTRY:
             runtime_env = deployment["ray_actor_options"].setdefault("runtime_env", {})
-            runtime_env["env_vars"] = {**SERVING_PRIORITY_ENV, **runtime_env.get("env_vars", {})}
+            runtime_env["env_vars"] = {**SERVING_ENV, **runtime_env.get("env_vars", {})}
     return {
         # pdserve's router serves its own gRPC endpoint (from its replica), so Serve's
         # HTTP/gRPC proxies would only take ports and CPU.

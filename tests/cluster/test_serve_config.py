@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import msgspec
@@ -9,7 +10,7 @@ import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
-from cluster.serve_app import SERVING_PRIORITY_ENV, build_app, engine_spec
+from cluster.serve_app import SERVING_ENV, build_app, engine_spec
 from cluster.serve_config import (
     compile_serve_config,
     export_rayservice,
@@ -205,7 +206,7 @@ def test_several_routers_share_the_head_or_run_one_per_labelled_node() -> None:
     on_head = deployments(compile_serve_config(parse_topology({"server": {"routers": 3}}), serve_router=True))
     router = on_head["router"]
     assert router["num_replicas"] == 3 and "max_replicas_per_node" not in router  # they share the ports
-    serving = {"runtime_env": {"env_vars": SERVING_PRIORITY_ENV}}
+    serving = {"runtime_env": {"env_vars": SERVING_ENV}}
     assert router["ray_actor_options"] == {
         "num_cpus": 0,
         "resources": {"node:__internal_head__": 0.001},
@@ -233,7 +234,7 @@ def test_the_serving_replicas_run_at_the_nodes_normal_priority_not_rays_worker_n
     assert "ray_actor_options" not in deployments(config)["registry"]
     registry = build_app({"roles": ["decode"]})._bound_deployment  # the application's ingress
     assert registry.name == "registry"
-    assert registry.ray_actor_options == {"num_cpus": 0, "runtime_env": {"env_vars": SERVING_PRIORITY_ENV}}
+    assert registry.ray_actor_options == {"num_cpus": 0, "runtime_env": {"env_vars": SERVING_ENV}}
     # The engine pools keep their engine spec beside it.
     assert ENGINE_SPEC_ENV in deployments(config)["decode"]["ray_actor_options"]["runtime_env"]["env_vars"]
 
@@ -313,3 +314,16 @@ def test_rendered_rayservice_is_yaml_with_a_readable_serve_config() -> None:
     assert text.startswith("# Generated from deploy/x.yaml by `pdserve export`")
     assert "serveConfigV2: |\n" in text
     assert yaml.safe_load(text) == export_rayservice(parse_topology(H200))
+
+
+def test_serve_reads_the_metrics_export_interval_the_serving_replicas_set() -> None:
+    """Serve's per-actor metrics export (ten wake-ups a second by default) is slowed through an environment
+    variable; a Ray upgrade that renamed it would bring the wake-ups back without a word."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, **SERVING_ENV}
+    code = "from ray.serve._private import constants as c; print(c.RAY_SERVE_METRICS_EXPORT_INTERVAL_MS)"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == SERVING_ENV["RAY_SERVE_METRICS_EXPORT_INTERVAL_MS"] == "1000"
