@@ -56,6 +56,15 @@ class GeneratePath:
         self._metrics = metrics
         self._config = config or LiveConfig()
 
+    def refuse_by_wire_size(self, raw: bytes) -> None:
+        """RequestFailed, counted as any refusal, for a request whose wire bytes alone show that its
+        prompt cannot fit (PromptIntake.refuse_by_wire_size): before it is parsed."""
+        try:
+            self.intake.refuse_by_wire_size(raw)
+        except RequestFailed as exc:
+            self._metrics.requests.labels(code=exc.code.name).inc()
+            raise
+
     async def run(
         self,
         request: pb.GenerateRequest,

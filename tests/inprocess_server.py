@@ -109,10 +109,15 @@ async def _no_replicas() -> pb.GetClusterStatusResponse:
 
 
 def generate_path(
-    tokenizer: PromptTokenizer, legs: StandInLegs, view: ClusterView, *, tool_parser: str | None = None
+    tokenizer: PromptTokenizer,
+    legs: StandInLegs,
+    view: ClusterView,
+    *,
+    tool_parser: str | None = None,
+    metrics: RouterMetrics | None = None,
 ) -> GeneratePath:
     """The request path as the router process builds it, with no prefill pool: legs go to `legs`."""
-    metrics = RouterMetrics()
+    metrics = metrics or RouterMetrics()
     return GeneratePath(
         intake=PromptIntake(
             tokenizer=tokenizer,

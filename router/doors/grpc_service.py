@@ -57,6 +57,10 @@ class PdserveService(pb_grpc.PdserveServicer):
         self, raw: bytes, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         """Takes the request's wire bytes (a token-id session's next turn is recognised by them)."""
+        try:
+            self._path.refuse_by_wire_size(raw)
+        except RequestFailed as exc:
+            await context.abort(exc.code, exc.message)
         request = await _parse_or_abort(raw, pb.GenerateRequest.FromString, _GENERATE_REQUEST, context)
         request_id = served_request_id(request.request_id)
         events = self._path.run(request, request_id, raw=raw, time_remaining=context.time_remaining)

@@ -1,5 +1,7 @@
 """A request in, a prompt the router can route out: validated, tokenized, checked against the context.
 
+    (gRPC: a text prompt whose wire bytes alone show it cannot fit is refused before the request is parsed,
+    `refuse_by_wire_size`) ->
     validate (every field, by path) -> tool choice against the model's parsers -> the engine's sampling
     -> grammar check (xgrammar, off the event loop) -> a prompt that cannot fit is refused before it is
     tokenized (its length bounds its tokens from below) -> token ids (a session's next turn: only what it
@@ -33,6 +35,7 @@ from router.intake.validation import (
     validate_generate,
     validate_tokenize,
 )
+from router.intake.wire_size import prompt_span
 from router.messages import PromptReuse
 from router.metrics import RouterMetrics
 from router.sessions import Sessions
@@ -105,6 +108,26 @@ class PromptIntake:
             prior = len(turn.prior or ())
             self._metrics.on_token_ids(prior, len(ids) - prior)
         return Prompt(session_id, ids, sampling, reuse, self._parsers.parser(tool_use), hashes)
+
+    def refuse_by_wire_size(self, raw: bytes) -> None:
+        """Refuse a request (its wire bytes, not yet parsed) whose text prompt cannot fit the context
+        whatever its max_tokens (router/intake/wire_size.py); anything else is left to `take`."""
+        longest = self._tokenizer.max_token_chars
+        if longest is None or len(raw) < self.limits.max_model_len * longest:
+            return  # too short for the bound to refuse it
+        span = prompt_span(raw)
+        if span is None:
+            return
+        start, end = span
+        fewest = self._tokenizer.fewest_tokens_in_utf8(end - start, ascii=False)
+        if fewest is not None and fewest < self.limits.max_model_len and raw[start:end].isascii():
+            fewest = self._tokenizer.fewest_tokens_in_utf8(end - start, ascii=True)  # a tighter bound
+        if fewest is not None and fewest >= self.limits.max_model_len:
+            limit = self.limits.max_model_len
+            raise RequestFailed(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"prompt: the prompt has at least {fewest} tokens: over max_model_len {limit}",
+            )
 
     async def tokenize(self, request: pb.TokenizeRequest) -> list[int]:
         try:

@@ -143,6 +143,14 @@ class PromptTokenizer:
             return None
         return -(-len(text) // self.max_token_chars)
 
+    def fewest_tokens_in_utf8(self, n_bytes: int, *, ascii: bool) -> int | None:
+        """As `fewest_tokens`, for a text known only by its length in UTF-8: a character is 1 to 4 bytes
+        (exactly 1 when the text is `ascii`)."""
+        if self.max_token_chars is None:
+            return None
+        chars = n_bytes if ascii else -(-n_bytes // 4)
+        return -(-chars // self.max_token_chars)
+
     @property
     def hf_tokenizer(self) -> Any:
         """The Hugging Face tokenizer the vocabulary and the output parsers are read from (on the event loop;

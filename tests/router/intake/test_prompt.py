@@ -110,6 +110,39 @@ async def test_a_prompt_the_bound_lets_through_is_still_checked_once_tokenized(
     assert "at least" not in message
 
 
+def wire_refusal(intake: PromptIntake, request: pb.GenerateRequest) -> str | None:
+    """The message `refuse_by_wire_size` refuses the request's wire bytes with; None: let through."""
+    try:
+        intake.refuse_by_wire_size(request.SerializeToString())
+    except RequestFailed as exc:
+        assert exc.code == grpc.StatusCode.INVALID_ARGUMENT
+        return exc.message
+    return None
+
+
+def test_an_over_long_prompt_is_refused_from_its_wire_bytes(intake: PromptIntake, tokenizer: Any) -> None:
+    message = wire_refusal(intake, pb.GenerateRequest(prompt=LONG, session_id="s"))
+    assert message is not None and message.startswith("prompt: the prompt has at least ")
+    assert "over max_model_len 2048" in message and tokenizer.encoded_chars == 0
+
+
+def test_the_wire_bound_is_tighter_for_ascii_text(intake: PromptIntake) -> None:
+    # 120 KB: as ASCII at least 3,334 tokens (36 bytes a token at most); as two-byte characters only 834.
+    assert wire_refusal(intake, pb.GenerateRequest(prompt="a" * 120_000)) is not None
+    assert wire_refusal(intake, pb.GenerateRequest(prompt="é" * 60_000)) is None  # left to `take`
+    assert wire_refusal(intake, pb.GenerateRequest(prompt="é" * 2_000_000)) is not None  # 4 MB: over anyway
+
+
+def test_what_the_wire_bound_cannot_refuse_is_let_through(intake: PromptIntake) -> None:
+    assert wire_refusal(intake, pb.GenerateRequest(prompt="hello")) is None
+    # A prompt that fits only without its max_tokens blames max_tokens, which `take` reads.
+    assert wire_refusal(intake, pb.GenerateRequest(prompt="a" * 22_000)) is None
+    chat = pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content=LONG)])
+    assert wire_refusal(intake, chat) is None  # a chat template may drop text: rendered first
+    assert wire_refusal(intake, pb.GenerateRequest(prompt_token_ids=[1] * 100_000)) is None
+    intake.refuse_by_wire_size(b"\x12" + b"\xff" * 80_000)  # not protobuf: the parser answers
+
+
 async def test_a_prompt_that_fits_is_tokenized_as_before(intake: PromptIntake, tokenizer: Any) -> None:
     prompt = await intake.take(
         pb.GenerateRequest(prompt="hello world", sampling=pb.SamplingParams(max_tokens=4))

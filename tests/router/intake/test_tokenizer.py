@@ -244,6 +244,20 @@ def test_the_fewest_tokens_bound_never_exceeds_the_real_count(tokenizer: PromptT
     assert fewest <= len(tokenizer.encode_rendered(text))
 
 
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=BOUND_TEXTS)
+def test_the_bound_from_a_texts_utf8_length_never_exceeds_the_real_count(
+    tokenizer: PromptTokenizer, text: str
+) -> None:
+    """What a request's wire bytes give before they are parsed (router/intake/wire_size.py)."""
+    size = len(text.encode())
+    fewest = tokenizer.fewest_tokens_in_utf8(size, ascii=False)
+    assert fewest is not None and fewest <= len(tokenizer.encode_text(text))
+    if text.isascii():
+        exact = tokenizer.fewest_tokens_in_utf8(size, ascii=True)
+        assert exact == tokenizer.fewest_tokens(text) and exact is not None and exact >= fewest
+
+
 def test_the_bound_of_a_long_repetitive_prompt_is_far_over_a_small_context(
     tokenizer: PromptTokenizer,
 ) -> None:
