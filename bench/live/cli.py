@@ -47,7 +47,7 @@ import yaml
 from bench.live.arrivals import Arrivals
 from bench.live.plots import PlotsUnavailable, pyplot, write_plots
 from bench.live.progress import Progress
-from bench.live.report import DEFAULT_SLO, RunResult, summarize, table
+from bench.live.report import DEFAULT_SLO, RunResult, beside_text, summarize, table
 from bench.live.runner import Send, Timed, closed_loop, open_loop, session_loop
 from bench.live.sessions import plan_sessions
 from bench.live.side_by_side import SystemDidNotStart, measure_systems, summary
@@ -266,7 +266,8 @@ async def measure(args: argparse.Namespace, address: str) -> tuple[Served, str, 
                     f", {r.spec_acceptance:.0%} of drafts accepted, {r.spec_tokens_per_step:.2f} tokens/step"
                     if r.spec_acceptance is not None and r.spec_tokens_per_step is not None
                     else ""
-                ),
+                )
+                + beside_text(r),
                 flush=True,
             )
         return served, described, results

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import heapq
 import math
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
@@ -42,6 +43,10 @@ class RunResult:
     kv_bytes_per_token: float | None = None
     # Which round of a side-by-side with `--rounds` (the systems run again, in alternating order).
     round: int = 1
+    # Where the server says which decode replica served each request (pdserve): the share of requests sent
+    # while another still ran on their replica ("share"), and the TPOT p50 of those ("tpot_p50_beside")
+    # against the rest's ("tpot_p50_alone"). A request joining another's batch pays for it on a small engine.
+    beside: dict[str, float] | None = None
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -92,6 +97,44 @@ def summarize(
         spec_acceptance=None if speculation is None else speculation[0],
         spec_tokens_per_step=None if speculation is None else speculation[1],
         kv_bytes_per_token=after.kv_bytes_per_token_since(before) if before and after else None,
+        beside=_beside([t for t in ok if t.decode_replica]),
+    )
+
+
+def _beside(placed: Sequence[Timed]) -> dict[str, float] | None:
+    """`RunResult.beside` over the finished requests whose decode replica is known."""
+    if not placed:
+        return None
+    by_replica: defaultdict[str, list[Timed]] = defaultdict(list)
+    for t in placed:
+        by_replica[t.decode_replica].append(t)
+    sent_beside = 0
+    alone: list[float] = []
+    beside: list[float] = []
+    for requests in by_replica.values():
+        running: list[float] = []  # the end times of the requests sent before, a heap
+        for t in sorted(requests, key=lambda t: t.sent):
+            while running and running[0] <= t.sent:
+                heapq.heappop(running)
+            sent_beside += bool(running)
+            if t.tpot is not None:
+                (beside if running else alone).append(t.tpot)
+            heapq.heappush(running, t.sent if t.end is None else t.end)
+    return {
+        "share": sent_beside / len(placed),
+        "tpot_p50_alone": percentile(alone, 50),
+        "tpot_p50_beside": percentile(beside, 50),
+    }
+
+
+def beside_text(r: RunResult) -> str:
+    """`RunResult.beside` for a run's one-line summary ("" where the server does not say)."""
+    if r.beside is None:
+        return ""
+    b = r.beside
+    return (
+        f", {b['share']:.0%} sent to a replica running another "
+        f"(TPOT p50 {1e3 * b['tpot_p50_beside']:.1f} ms, alone {1e3 * b['tpot_p50_alone']:.1f})"
     )
 
 

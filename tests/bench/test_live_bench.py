@@ -22,7 +22,7 @@ from inprocess_server import endpoint
 from ports import free_port
 
 from bench.live.arrivals import Arrivals
-from bench.live.report import ratio_rows, summarize
+from bench.live.report import beside_text, ratio_rows, summarize
 from bench.live.runner import Timed
 from bench.live.workload import Lengths, Request, Workload
 from bench.slo import Slo, percentile
@@ -481,3 +481,29 @@ def test_a_runs_engine_counters_start_once_the_warm_up_is_counted(monkeypatch: p
     args = _bench_args(["--mode", "min-latency", "--num-requests", "4", "--warmup", "2"])
     _, _, (result,) = asyncio.run(cli.measure(args, "lagging"))
     assert result.kv_bytes_per_token == 512
+
+
+def test_the_report_counts_requests_sent_to_a_replica_still_running_another() -> None:
+    def on(replica: str, sent: float, end: float, tpot: float) -> Timed:
+        return Timed(
+            sent=sent,
+            first_token=sent,
+            end=end,
+            completion_tokens=int((end - sent) / tpot) + 1,
+            decode_replica=replica,
+        )
+
+    first = on("a", 0.0, 1.0, 0.1)
+    joins = on("a", 0.5, 2.0, 0.3)  # sent while `first` runs on a
+    elsewhere = on("b", 0.6, 1.0, 0.1)  # b was idle
+    after_both = on("a", 2.5, 3.0, 0.1)  # a's two had ended
+    r = summarize("x", None, [first, joins, elsewhere, after_both], 3.0, Slo(ttft_s=1.0, tpot_s=1.0))
+    assert r.beside is not None
+    assert r.beside["share"] == pytest.approx(1 / 4)
+    assert r.beside["tpot_p50_beside"] == pytest.approx(0.3)
+    assert r.beside["tpot_p50_alone"] == pytest.approx(0.1)
+    assert beside_text(r) == ", 25% sent to a replica running another (TPOT p50 300.0 ms, alone 100.0)"
+    # Another server does not say where it decoded: nothing to tell.
+    unplaced = Timed(sent=0.0, first_token=0.1, end=0.4, completion_tokens=4)
+    elsewhere_only = summarize("x", None, [unplaced], 1.0, Slo(ttft_s=1.0, tpot_s=1.0))
+    assert elsewhere_only.beside is None and beside_text(elsewhere_only) == ""
