@@ -9,7 +9,9 @@ requests just under the HTTP body cap (router/doors/limits.py), each refused as 
     .venv/bin/python -m bench.intake_isolation [--systems doubles@REV,doubles]
 
 `doubles@REV` runs this repository as of git revision REV (bench/live/systems.py): before against after in one
-run, one table.
+run, one table. `sink` sends the short requests to this tree's `doubles` and the over-long prompts to a sink
+on the same cores instead (bench/intake_sink.py: each read whole and refused, nothing else): what sharing the
+machine with the senders costs a short request, the floor for any intake on it.
 """
 
 from __future__ import annotations
@@ -20,11 +22,13 @@ import contextlib
 import json
 import multiprocessing
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
+from bench import intake_sink
 from bench.live.cli import LOCAL_TOPOLOGY
 from bench.live.systems import PDSERVE_SYSTEMS, pdserve, revision
 from engine.ports import free_ports
@@ -33,6 +37,7 @@ from router.doors.limits import MAX_REQUEST_BYTES
 
 # Room for the rest of the message or body (fields, JSON) beside the prompt text.
 _ROOM = 4096
+SINK = "sink"  # the over-long prompts to bench/intake_sink.py, the short requests to doubles
 _LINE = "the quick brown fox jumps over a lazy dog while agents call tools and read their results "
 
 
@@ -65,7 +70,7 @@ async def grpc_refusal(client: AsyncPdserveClient, text: str, out: Refusals) -> 
         out.unexpected.append("grpc: accepted")
     except PdserveError as exc:
         out.seconds.append(time.perf_counter() - began)
-        if "at least" not in str(exc) and "tokens" not in str(exc):
+        if "at least" not in str(exc) and "tokens" not in str(exc) and intake_sink.REFUSAL not in str(exc):
             out.unexpected.append(f"grpc: {exc}")
 
 
@@ -142,7 +147,18 @@ class Outcome:
     how: str
 
 
-async def run(grpc_target: str, http_url: str, *, shorts: int, senders: int, burst: bool) -> Outcome:
+async def run(
+    grpc_target: str,
+    http_url: str,
+    *,
+    shorts: int,
+    senders: int,
+    burst: bool,
+    over_long_to: tuple[str, str] | None = None,
+) -> Outcome:
+    """Short requests to `grpc_target`, idle and while over-long prompts are sent to the same router's doors
+    (or to `over_long_to`'s gRPC target and HTTP URL: the sink)."""
+    over_grpc, over_http = over_long_to or (grpc_target, http_url)
     # The gRPC message holds the prompt as protobuf; the HTTP body as JSON (ASCII text: the same bytes).
     text = long_text(MAX_REQUEST_BYTES - _ROOM)
     async with AsyncPdserveClient(grpc_target) as client:
@@ -154,7 +170,7 @@ async def run(grpc_target: str, http_url: str, *, shorts: int, senders: int, bur
         ctx = multiprocessing.get_context("spawn")
         stop, results = ctx.Event(), ctx.SimpleQueue()
         sender = ctx.Process(
-            target=_send_over_long, args=(grpc_target, http_url, text, senders, burst, stop, results)
+            target=_send_over_long, args=(over_grpc, over_http, text, senders, burst, stop, results)
         )
         sender.start()
         timed: list[tuple[float, float]] = []
@@ -199,15 +215,34 @@ def report(outcomes: list[tuple[str, Outcome]]) -> int:
 
 
 def systems(spec: str) -> list[str]:
-    """`--systems`: `doubles` or `doubles@REV`, comma-separated."""
+    """`--systems`: `doubles`, `doubles@REV` or `sink`, comma-separated."""
     names = [s.strip() for s in spec.split(",") if s.strip()]
     for name in names:
         base, _, rev = name.partition("@")
-        if base != "doubles" or (name != base and not rev):
-            raise argparse.ArgumentTypeError(f"{name!r}: this bench runs `doubles` or `doubles@REV`")
+        if name != SINK and (base != "doubles" or (name != base and not rev)):
+            raise argparse.ArgumentTypeError(f"{name!r}: this bench runs `doubles`, `doubles@REV` or `sink`")
     if not names:
         raise argparse.ArgumentTypeError("name at least one system")
     return names
+
+
+@contextlib.contextmanager
+def _sink() -> Iterator[tuple[str, str]]:
+    """A sink process (bench/intake_sink.py) for the over-long prompts: its gRPC target and HTTP URL."""
+    grpc_port, http_port = free_ports(2)
+    ctx = multiprocessing.get_context("spawn")
+    ready, stop = ctx.Event(), ctx.Event()
+    process = ctx.Process(target=intake_sink.run, args=(grpc_port, http_port, ready, stop))
+    process.start()
+    try:
+        if not ready.wait(60):
+            raise RuntimeError("the sink did not start listening within 60 s")
+        yield f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{http_port}/v1/chat/completions"
+    finally:
+        stop.set()
+        process.join(10)
+        if process.is_alive():
+            process.kill()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -224,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
         "--systems",
         type=systems,
         default=["doubles"],
-        help="comma-separated: doubles, or doubles@REV (this repository at git revision REV)",
+        help="comma-separated: doubles, doubles@REV (this repository at git revision REV), or sink (the "
+        "over-long prompts to a sink on the same cores, the short requests to doubles)",
     )
     args = ap.parse_args(argv)
     outcomes = []
@@ -237,8 +273,16 @@ def main(argv: list[str] | None = None) -> int:
             env, tree = stack.enter_context(revision(rev)) if rev else (None, None)
             target = stack.enter_context(pdserve(LOCAL_TOPOLOGY, overrides, env, tree))
             url = f"http://127.0.0.1:{http_port}/v1/chat/completions"
+            sink = stack.enter_context(_sink()) if system == SINK else None
             outcome = asyncio.run(
-                run(target, url, shorts=args.shorts, senders=args.senders, burst=not args.back_to_back)
+                run(
+                    target,
+                    url,
+                    shorts=args.shorts,
+                    senders=args.senders,
+                    burst=not args.back_to_back,
+                    over_long_to=sink,
+                )
             )
         outcomes.append((system, outcome))
     return report(outcomes)
