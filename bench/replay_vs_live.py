@@ -126,8 +126,9 @@ def system_topology(base: Path, system: str, fit: MeasuredTiming | None = None) 
 
 def replay_system(
     base: Path, system: str, args: argparse.Namespace, max_model_len: int, fit: MeasuredTiming | None = None
-) -> Outcome:
-    """The replay of `system` on the sessions the live run sent (timed by `fit`, default `base`'s)."""
+) -> tuple[Outcome, list[RequestRecord]]:
+    """The replay of `system` on the sessions the live run sent (timed by `fit`, default `base`'s), and its
+    requests."""
     topo = system_topology(base, system, fit)
     plan = plan_sessions(
         num_sessions=args.sessions,
@@ -157,7 +158,93 @@ def replay_system(
     factory = available_policies(router)[router.policy]
     bound = infinite_cache_hit_ratio(trace)
     _, records = replay_policy(trace, router.policy, factory, cfg, bound)
-    return Outcome.of_replay(records)
+    return Outcome.of_replay(records), records
+
+
+def _beside_count(at: float, replica: str, spans: Sequence[tuple[str, float, float]]) -> int:
+    """Requests on `replica` sent before `at` and not finished by it."""
+    return sum(1 for r, start, end in spans if r == replica and start < at < end)
+
+
+def request_tail(
+    live_rows: Sequence[dict[str, Any]], records: Sequence[RequestRecord], slowest: int = 5
+) -> dict[str, Any]:
+    """One live round against the replay, request by request (matched as `SESSION/TURN`): the median error
+    of a request's TTFT over all of them and over the live run's slowest tenth, and the slowest `slowest`
+    requests with what the server timed of each and what the replay predicted for it."""
+    by_id = {r.request_id: r for r in records}
+    live_spans = [
+        (str(r["decode_replica"]), float(r["sent_s"]), float(r["sent_s"]) + float(r["e2e_s"]))
+        for r in live_rows
+        if r["e2e_s"] is not None
+    ]
+    replay_spans = [(r.decode_replica, r.arrival, r.finish) for r in records]
+    matched = []
+    for row in live_rows:
+        rec = by_id.get(f"{row['session_id']}/{row['turn']}")
+        if rec is None or row["ttft_s"] is None:
+            continue
+        stages = row["stages_s"]
+        server_ttft = row["server_ttft_s"]
+        matched.append(
+            {
+                "request": rec.request_id,
+                "live_ttft_s": row["ttft_s"],
+                "replay_ttft_s": rec.ttft,
+                # Outside the router's clock: gRPC in and out, and the client, on the same cores.
+                "outside_router_s": None if server_ttft is None else row["ttft_s"] - server_ttft,
+                "engine_s": stages.get("prefill_leg", 0.0) + stages.get("first_token", 0.0) or None,
+                "live_cached": row["cached_tokens"],
+                "replay_cached": rec.cached_tokens,
+                "prompt_tokens": row["prompt_tokens"],
+                "live_beside": _beside_count(float(row["sent_s"]), str(row["decode_replica"]), live_spans),
+                "replay_beside": _beside_count(rec.arrival, rec.decode_replica, replay_spans),
+            }
+        )
+    if not matched:
+        return {"matched": 0, "slowest": []}
+    matched.sort(key=lambda m: m["live_ttft_s"], reverse=True)
+    tenth = matched[: max(1, len(matched) // 10)]
+
+    def median_error(rows: Sequence[dict[str, Any]]) -> float:
+        return statistics.median(m["replay_ttft_s"] - m["live_ttft_s"] for m in rows)
+
+    return {
+        "matched": len(matched),
+        "median_error_s": median_error(matched),
+        "slowest_tenth_median_error_s": median_error(tenth),
+        "slowest": matched[:slowest],
+    }
+
+
+def format_tails(tails: dict[str, list[dict[str, Any]]]) -> str:
+    """`request_tail` of every system's rounds, as text."""
+
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{1e3 * v:.1f}"
+
+    lines = [
+        "request by request (replay - live TTFT, median; the slowest: live ms = outside the router + in it, "
+        "of which the engine legs; cached tokens and requests beside it on its replica, live / replay)"
+    ]
+    for system, rounds in tails.items():
+        for n, t in enumerate(rounds, 1):
+            if not t["matched"]:
+                lines.append(f"{system} r{n}: no request matched")
+                continue
+            lines.append(
+                f"{system} r{n}: {t['matched']} matched, error {ms(t['median_error_s'])} ms, "
+                f"slowest tenth {ms(t['slowest_tenth_median_error_s'])} ms"
+            )
+            for m in t["slowest"]:
+                inside = None if m["outside_router_s"] is None else m["live_ttft_s"] - m["outside_router_s"]
+                lines.append(
+                    f"  {m['request']:<22} live {ms(m['live_ttft_s']):>6} = {ms(m['outside_router_s']):>5} + "
+                    f"{ms(inside):>6} (engine {ms(m['engine_s']):>6})  replay {ms(m['replay_ttft_s']):>6}  "
+                    f"cached {m['live_cached']}/{m['replay_cached']} of {m['prompt_tokens']}  "
+                    f"beside {m['live_beside']}/{m['replay_beside']}"
+                )
+    return "\n".join(lines)
 
 
 def ratios(outcomes: dict[str, Outcome], systems: Sequence[str]) -> list[tuple[str, str, str, float]]:
@@ -321,19 +408,25 @@ def main(argv: list[str] | None = None) -> int:
         if missing := sorted(set(args.systems) - set(systems)):
             parser.error(f"--live {args.live}: no run of {', '.join(missing)}")
         max_model_len = next(iter(report["systems"].values()))["model"]["max_model_len"]
-        live_rounds = {s: [Outcome.of_live(r) for r in report["systems"][s]["results"]] for s in systems}
+        live_results = {s: report["systems"][s]["results"] for s in systems}
+        live_rounds = {s: [Outcome.of_live(r) for r in results] for s, results in live_results.items()}
         timing_for = dict(args.timing_for)
-        replay = {}
+        replay, tails = {}, {}
         for s in systems:
-            replay[s] = replay_system(topo_file, s, args, max_model_len, timing_for.get(_parts(s)[0]))
+            fit_s = timing_for.get(_parts(s)[0])
+            replay[s], records = replay_system(topo_file, s, args, max_model_len, fit_s)
+            tails[s] = [request_tail(r.get("requests_sent", []), records) for r in live_results[s]]
     result = compare(live_rounds, replay, systems)
     service_time = parse_topology(base).router.service_time
     print(f"service time: {service_time.describe()}")
     for name, fit_for in args.timing_for:
         print(f"  {name}: {msgspec.structs.replace(service_time, measured=fit_for).describe()}")
     print(format_comparison(result))
+    print()
+    print(format_tails(tails))
     if args.json is not None:
         result |= {
+            "tails": tails,
             "live": {k: [asdict(o) for o in v] for k, v in live_rounds.items()},
             "replay": {k: asdict(v) for k, v in replay.items()},
             "fit": msgspec.to_builtins(fit),

@@ -7,6 +7,7 @@ import math
 from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
+from dataclasses import field as dataclass_field
 
 from bench.live.runner import Timed
 from bench.live.targets import EngineCounts
@@ -47,6 +48,8 @@ class RunResult:
     # while another still ran on their replica ("share"), and the TPOT p50 of those ("tpot_p50_beside")
     # against the rest's ("tpot_p50_alone"). A request joining another's batch pays for it on a small engine.
     beside: dict[str, float] | None = None
+    # Every request, in the order sent (`request_rows`): to find where a tail came from, request by request.
+    requests_sent: list[dict[str, object]] = dataclass_field(default_factory=list)
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -98,7 +101,39 @@ def summarize(
         spec_tokens_per_step=None if speculation is None else speculation[1],
         kv_bytes_per_token=after.kv_bytes_per_token_since(before) if before and after else None,
         beside=_beside([t for t in ok if t.decode_replica]),
+        requests_sent=request_rows(timed),
     )
+
+
+def request_rows(timed: Sequence[Timed]) -> list[dict[str, object]]:
+    """Each request as sent, in order: its session and turn (the replay names it `SESSION/TURN`), when it was
+    sent (seconds after the first), what the client and the server timed, and where it was served."""
+    if not timed:
+        return []
+    order = sorted(timed, key=lambda t: t.sent)
+    turns: Counter[str] = Counter()
+    rows: list[dict[str, object]] = []
+    for t in order:
+        turn = turns[t.session_id] if t.session_id else None
+        turns[t.session_id] += 1
+        rows.append(
+            {
+                "session_id": t.session_id,
+                "turn": turn,
+                "sent_s": t.sent - order[0].sent,
+                "status": t.status,
+                "ttft_s": t.ttft,
+                "tpot_s": t.tpot,
+                "e2e_s": t.e2e,
+                "prompt_tokens": t.prompt_tokens,
+                "cached_tokens": t.cached_tokens,
+                "path": t.path,
+                "decode_replica": t.decode_replica,
+                "server_ttft_s": t.server_ttft,
+                "stages_s": dict(t.stages),
+            }
+        )
+    return rows
 
 
 def _beside(placed: Sequence[Timed]) -> dict[str, float] | None:

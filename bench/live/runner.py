@@ -28,6 +28,11 @@ class Timed:
     path: str = ""
     decode_replica: str = ""  # where pdserve decoded it ("": another server, or not said)
     status: str = "OK"
+    session_id: str = ""
+    # The server's own account (pdserve's gRPC door): its time to first token from the request's arrival at
+    # the router, and the seconds of each stage of its timeline (intake, decision, prefill_leg, ...).
+    server_ttft: float | None = None
+    stages: dict[str, float] = field(default_factory=dict)
 
     def on_tokens(self, now: float, n: int) -> None:
         if self.first_token is None:

@@ -132,7 +132,7 @@ class GrpcTarget:
         }
         if self._temperature is not None:
             fields["temperature"] = self._temperature
-        t = Timed(sent=time.monotonic())
+        t = Timed(sent=time.monotonic(), session_id=req.session_id)
         try:
             async for msg in self._client.generate(timeout=timeout_s, **fields):
                 now = time.monotonic()
@@ -146,6 +146,10 @@ class GrpcTarget:
                     t.cached_tokens = final.usage.cached_tokens
                     t.path = pb.ServingPath.Name(final.served_by.path).removeprefix("SERVING_PATH_").lower()
                     t.decode_replica = final.served_by.decode_replica
+                    timings = final.timings
+                    t.server_ttft = timings.ttft_ms / 1e3 if timings.ttft_ms else None
+                    for stage in timings.timeline:
+                        t.stages[stage.name] = t.stages.get(stage.name, 0.0) + stage.duration_ms / 1e3
         except PdserveError as exc:
             t.status = exc.code.name
         return t
@@ -217,7 +221,7 @@ class HttpTarget:
             "return_token_ids": True,
             **self._sampling,
         }
-        t = Timed(sent=time.monotonic())
+        t = Timed(sent=time.monotonic(), session_id=req.session_id)
         try:
             async with self._http().post(
                 f"{self.address}/v1/completions",

@@ -5,6 +5,7 @@ tokens); tests/e2e runs it on real engines, and side by side with a plain `vllm 
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import os
@@ -24,9 +25,11 @@ from ports import free_port
 from bench.live.arrivals import Arrivals
 from bench.live.report import beside_text, ratio_rows, summarize
 from bench.live.runner import Timed
+from bench.live.targets import GrpcTarget
 from bench.live.workload import Lengths, Request, Workload
 from bench.slo import Slo, percentile
 from engine.messages import EngineRequest
+from pdserve_client.api import pdserve_pb2 as pb
 
 PDSERVE = str(Path(sys.executable).with_name("pdserve"))
 
@@ -507,3 +510,59 @@ def test_the_report_counts_requests_sent_to_a_replica_still_running_another() ->
     unplaced = Timed(sent=0.0, first_token=0.1, end=0.4, completion_tokens=4)
     elsewhere_only = summarize("x", None, [unplaced], 1.0, Slo(ttft_s=1.0, tpot_s=1.0))
     assert elsewhere_only.beside is None and beside_text(elsewhere_only) == ""
+
+
+def test_the_report_lists_each_request_in_the_order_sent_with_its_session_turn_and_the_servers_stages() -> (
+    None
+):
+    def turn(session: str, sent: float, ttft: float, **kw: object) -> Timed:
+        return Timed(sent=sent, first_token=sent + ttft, end=sent + ttft + 0.1, completion_tokens=3,
+                     session_id=session, **kw)  # type: ignore[arg-type]  # fmt: skip
+
+    a1 = turn("a", 10.0, 0.02, server_ttft=0.015, stages={"prefill_leg": 0.012})
+    b1 = turn("b", 10.5, 0.03)
+    a2 = turn("a", 11.0, 0.05, decode_replica="r1", cached_tokens=64, prompt_tokens=100)
+    lost = Timed(sent=11.2, status="UNAVAILABLE", session_id="b")
+    # Completion order, as the session loop collects them.
+    rows = summarize("x", None, [b1, a1, lost, a2], 2.0, Slo(ttft_s=1.0, tpot_s=1.0)).requests_sent
+    assert [(r["session_id"], r["turn"], r["status"]) for r in rows] == [
+        ("a", 0, "OK"), ("b", 0, "OK"), ("a", 1, "OK"), ("b", 1, "UNAVAILABLE")
+    ]  # fmt: skip
+    assert [r["sent_s"] for r in rows] == pytest.approx([0.0, 0.5, 1.0, 1.2])
+    assert rows[0]["ttft_s"] == pytest.approx(0.02) and rows[0]["server_ttft_s"] == 0.015
+    assert rows[0]["stages_s"] == {"prefill_leg": 0.012}
+    assert (rows[2]["decode_replica"], rows[2]["cached_tokens"], rows[2]["prompt_tokens"]) == ("r1", 64, 100)
+    assert rows[3]["ttft_s"] is None and rows[3]["e2e_s"] is None
+
+
+def test_a_grpc_target_keeps_the_servers_timeline_of_each_request() -> None:
+    final = pb.Final(
+        usage=pb.Usage(prompt_tokens=10, completion_tokens=2, cached_tokens=4),
+        served_by=pb.ServedBy(decode_replica="r1"),
+        timings=pb.Timings(
+            ttft_ms=14.0,
+            timeline=[
+                pb.Stage(name="intake", duration_ms=0.5),
+                pb.Stage(name="prefill_leg", duration_ms=9.0),
+                pb.Stage(name="failed_attempt", duration_ms=3.0),
+                pb.Stage(name="prefill_leg", duration_ms=2.0),
+            ],
+        ),
+    )
+
+    class Client:
+        async def generate(self, **fields: object):  # type: ignore[no-untyped-def]
+            yield pb.GenerateResponse(token_ids=[5])
+            yield pb.GenerateResponse(token_ids=[6], final=final)
+
+    async def send() -> Timed:
+        target = GrpcTarget("127.0.0.1:1", token=None, tls=False)  # its channel needs a running loop
+        await target.aclose()
+        target._client = Client()  # type: ignore[assignment]
+        return await target.send(Request(token_ids=[1, 2], max_tokens=2, group=-1, session_id="s"), 5.0)
+
+    t = asyncio.run(send())
+    assert t.ok and t.session_id == "s" and t.decode_replica == "r1"
+    assert t.server_ttft == pytest.approx(0.014)
+    # A stage run twice (a retried leg) counts both times.
+    assert t.stages == pytest.approx({"intake": 0.0005, "prefill_leg": 0.011, "failed_attempt": 0.003})

@@ -20,7 +20,7 @@ from bench.replay.policies import available_policies
 from bench.replay.runner import replay_policy
 from bench.replay.sim import RequestRecord, SimConfig
 from bench.replay.traces import infinite_cache_hit_ratio
-from bench.replay_vs_live import Outcome, compare, format_comparison, main
+from bench.replay_vs_live import Outcome, compare, format_comparison, format_tails, main, request_tail
 from router.block_hash import hash_blocks
 from router.service_time import MeasuredEngine, MeasuredTiming
 
@@ -271,3 +271,53 @@ def test_a_live_run_is_kept_beside_the_comparison_to_replay_again_with_another_t
     assert main([*argv, "--live", str(kept), "--json", str(again)]) == 0
     assert len(runs) == 1  # the second comparison replayed the kept run instead of running live
     assert json.loads(again.read_text())["live"] == json.loads(first.read_text())["live"]
+
+
+def test_live_requests_are_matched_to_the_replays_by_session_and_turn_and_the_slowest_explained() -> None:
+    def live(session: str, sent: float, ttft: float | None, replica: str, **kw: object) -> dict[str, object]:
+        row: dict[str, object] = {
+            "session_id": session,
+            "turn": 0,
+            "sent_s": sent,
+            "ttft_s": ttft,
+            "e2e_s": None if ttft is None else 1.0,
+            "decode_replica": replica,
+            "cached_tokens": 0,
+            "prompt_tokens": 100,
+            "server_ttft_s": None,
+            "stages_s": {},
+        }
+        return row | kw
+
+    def replayed(rid: str, arrival: float, ttft: float, finish: float, replica: str) -> RequestRecord:
+        return RequestRecord(
+            request_id=rid, session_id=rid.split("/")[0], arrival=arrival, num_blocks=1,
+            first_token=arrival + ttft, finish=finish, decode_replica=replica, cached_tokens=32,
+        )  # fmt: skip
+
+    b_stages = {"prefill_leg": 0.04, "first_token": 0.01}
+    rows = [
+        live("a", 0.0, 0.010, "r1"),
+        live("b", 0.5, 0.090, "r1", server_ttft_s=0.060, stages_s=b_stages, cached_tokens=32),
+        live("c", 0.6, 0.020, "r2"),
+        live("gone", 0.7, None, "r2"),  # failed: nothing to compare
+    ]
+    records = [
+        replayed("a/0", 0.0, 0.012, 0.5, "r1"),
+        replayed("b/0", 0.5, 0.030, 1.0, "r2"),  # the replay put it elsewhere, alone
+        replayed("c/0", 0.6, 0.020, 1.0, "r2"),
+    ]
+    tail = request_tail(rows, records, slowest=2)
+    assert tail["matched"] == 3
+    assert tail["median_error_s"] == pytest.approx(0.0)  # +2 ms, -60 ms, 0
+    assert tail["slowest_tenth_median_error_s"] == pytest.approx(-0.060)  # b alone is the slowest tenth
+    b, c = tail["slowest"]
+    assert (b["request"], c["request"]) == ("b/0", "c/0")
+    assert b["outside_router_s"] == pytest.approx(0.030) and b["engine_s"] == pytest.approx(0.05)
+    assert (b["live_cached"], b["replay_cached"]) == (32, 32)
+    # Live, b was sent while a ran on r1; the replay put it on r2 before c was sent there.
+    assert (b["live_beside"], b["replay_beside"]) == (1, 0)
+    text = format_tails({"aggregated2": [tail, request_tail(rows, [])]})
+    assert "aggregated2 r1: 3 matched, error 0.0 ms, slowest tenth -60.0 ms" in text
+    assert "b/0" in text and "live   90.0 =  30.0 +   60.0 (engine   50.0)  replay   30.0" in text
+    assert "aggregated2 r2: no request matched" in text
