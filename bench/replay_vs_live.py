@@ -11,7 +11,8 @@
    in turn, N rounds in alternating order (`--live REPORT` reuses the JSON report of such a run instead).
 3. Replay: the same sessions (the same scaled prompts, output lengths and gaps, bench/replay/live_sessions.py)
    started at the live run's start times, on each system's topology (its replica counts and
-   `router.policy`), the engines timed by the fit.
+   `router.policy`), the engines timed by the fit: by each of several `--timing` files in turn, the median
+   and range of the replays then stated (one timing is one sample of a machine whose speed drifts).
 4. The table: per system, live (the median of the rounds, and their range) against replay for TTFT and TPOT
    P50/P99, the cached share and the share prefilled on decode, the error of each; per topology, pdserve's
    ratio to each cache-blind policy (live: read within each round, then the median) against the replay's
@@ -261,27 +262,40 @@ def ratios(outcomes: dict[str, Outcome], systems: Sequence[str]) -> list[tuple[s
 
 
 def compare(
-    live_rounds: dict[str, list[Outcome]], replay: dict[str, Outcome], systems: Sequence[str]
+    live_rounds: dict[str, list[Outcome]], replay: dict[str, list[Outcome]], systems: Sequence[str]
 ) -> dict[str, Any]:
-    """Every figure live (the median of the live rounds, with their range), replayed and the error; pdserve's
-    ratios to the baselines both ways (live: each round's ratio, the median of the rounds)."""
+    """Every figure live (the median of the live rounds, with their range), replayed (the median of the
+    replays on each timing, with their range) and the error of the one median against the other; pdserve's
+    ratios to the baselines both ways (live: each round's ratio, the median of the rounds; replay: each
+    timing's ratio, the median of the timings)."""
     rows = []
     for s in systems:
-        rounds, rp = live_rounds[s], replay[s]
+        rounds, timings = live_rounds[s], replay[s]
         for field in ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "cached_share", "decode_prefill_share"):
             values = [getattr(o, field) for o in rounds]
-            a, b = statistics.median(values), getattr(rp, field)
+            predicted = [getattr(o, field) for o in timings]
+            a, b = statistics.median(values), statistics.median(predicted)
             error = b - a if field.endswith("share") else relative_error(b, a)
             row = {"system": s, "metric": field, "live": a, "replay": b, "error": error}
-            rows.append(row | {"live_low": min(values), "live_high": max(values)})
-    per_round: dict[tuple[str, str, str], list[float]] = {}
-    for n in range(min(len(r) for r in live_rounds.values())):
-        for a, b, m, r in ratios({s: rounds[n] for s, rounds in live_rounds.items()}, systems):
-            per_round.setdefault((a, b, m), []).append(r)
+            rows.append(
+                row
+                | {"live_low": min(values), "live_high": max(values)}
+                | {"replay_low": min(predicted), "replay_high": max(predicted)}
+            )
+
+    def per(outcomes: dict[str, list[Outcome]], n: int) -> dict[tuple[str, str, str], list[float]]:
+        out: dict[tuple[str, str, str], list[float]] = {}
+        for i in range(n):
+            for a, b, m, r in ratios({s: o[min(i, len(o) - 1)] for s, o in outcomes.items()}, systems):
+                out.setdefault((a, b, m), []).append(r)
+        return out
+
+    per_round = per(live_rounds, min(len(r) for r in live_rounds.values()))
+    per_timing = per(replay, max(len(r) for r in replay.values()))
     ratio_rows = []
-    for a, b, m, r in ratios(replay, systems):
+    for (a, b, m), predicted in per_timing.items():
         values = per_round[(a, b, m)]
-        live = statistics.median(values)
+        live, r = statistics.median(values), statistics.median(predicted)
         ratio_rows.append(
             {
                 "system": a,
@@ -291,33 +305,46 @@ def compare(
                 "live_low": min(values),
                 "live_high": max(values),
                 "replay": r,
+                "replay_low": min(predicted),
+                "replay_high": max(predicted),
                 "error": relative_error(r, live),
             }
         )
-    return {"figures": rows, "ratios": ratio_rows, "rounds": min(len(r) for r in live_rounds.values())}
+    return {
+        "figures": rows,
+        "ratios": ratio_rows,
+        "rounds": min(len(r) for r in live_rounds.values()),
+        "timings": max(len(r) for r in replay.values()),
+    }
 
 
 def format_comparison(result: dict[str, Any]) -> str:
     several = result.get("rounds", 1) > 1
+    timings = result.get("timings", 1) > 1
     live = f"live, median of {result['rounds']} rounds (range)" if several else "live"
-    lines = [f"{'system':<26} {'metric':<22} {live:>9} {'replay':>9} {'error':>8}"]
+    replay = f"replay, median of {result['timings']} timings (range)" if timings else "replay"
+    lines = [f"{'system':<26} {'metric':<22} {live:>9} {replay:>9} {'error':>8}"]
 
-    def shown(r: dict[str, Any], fmt: Any) -> str:
-        spread = f" ({fmt(r['live_low']).strip()}-{fmt(r['live_high']).strip()})" if several else ""
-        return str(fmt(r["live"])) + spread
+    def shown(r: dict[str, Any], fmt: Any, side: str = "live", spread: bool = several) -> str:
+        around = f" ({fmt(r[side + '_low']).strip()}-{fmt(r[side + '_high']).strip()})" if spread else ""
+        return str(fmt(r[side])) + around
 
     for r in result["figures"]:
         share = r["metric"].endswith("share")
         fmt = (lambda v: f"{v:9.3f}") if share else (lambda v: f"{1e3 * v:7.1f}ms")
         err = f"{r['error']:+8.3f}" if share else f"{r['error']:+8.0%}"
-        lines.append(f"{r['system']:<26} {r['metric']:<22} {shown(r, fmt)} {fmt(r['replay'])} {err}")
+        predicted = shown(r, fmt, "replay", timings)
+        lines.append(f"{r['system']:<26} {r['metric']:<22} {shown(r, fmt)} {predicted} {err}")
     if result["ratios"]:
         lines.append("")
-        lines.append(f"{'pdserve / baseline':<48} {live:>9} {'replay':>9} {'error':>8}")
+        lines.append(f"{'pdserve / baseline':<48} {live:>9} {replay:>9} {'error':>8}")
         for r in result["ratios"]:
             what = f"{r['system']} / {r['baseline']} {r['metric']}"
-            ratio = shown(r, lambda v: f"{v:9.3f}")
-            lines.append(f"{what:<48} {ratio} {r['replay']:9.3f} {r['error']:+8.0%}")
+
+            def fmt(v: float) -> str:
+                return f"{v:9.3f}"
+
+            lines.append(f"{what:<48} {shown(r, fmt)} {shown(r, fmt, 'replay', timings)} {r['error']:+8.0%}")
     return "\n".join(lines)
 
 
@@ -329,6 +356,13 @@ def _systems(text: str) -> list[str]:
             f"{', '.join(bad) or text!r}: pdserve systems on real engines, NAME or NAME:POLICY"
         )
     return chosen
+
+
+def _paths(text: str) -> list[Path]:
+    paths = [Path(p.strip()) for p in text.split(",") if p.strip()]
+    if not paths:
+        raise argparse.ArgumentTypeError(f"{text!r}: one or more files, separated by commas")
+    return paths
 
 
 def _rounds(text: str) -> int:
@@ -353,9 +387,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.replay_vs_live", description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--timing",
-        type=Path,
+        type=_paths,
         required=True,
-        help="bench.engine_timing's or bench.served_timing's JSON report",
+        metavar="FILE[,FILE...]",
+        help="bench.engine_timing's or bench.served_timing's JSON reports: the replay runs on each and "
+        "states the median and range (a timing is one sample of a machine whose speed drifts); the live "
+        "router estimates with the first",
     )
     p.add_argument(
         "--timing-for",
@@ -393,7 +430,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        fit = load_fit(args.timing)
+        fits = [load_fit(path) for path in args.timing]
+        fit = fits[0]
         base = with_timing(args.topology, fit)
         parse_topology(base, source=str(args.topology))
     except (ValueError, TopologyError, OSError) as exc:
@@ -411,14 +449,19 @@ def main(argv: list[str] | None = None) -> int:
         live_results = {s: report["systems"][s]["results"] for s in systems}
         live_rounds = {s: [Outcome.of_live(r) for r in results] for s, results in live_results.items()}
         timing_for = dict(args.timing_for)
-        replay, tails = {}, {}
+        replay: dict[str, list[Outcome]] = {}
+        tails = {}
         for s in systems:
-            fit_s = timing_for.get(_parts(s)[0])
-            replay[s], records = replay_system(topo_file, s, args, max_model_len, fit_s)
-            tails[s] = [request_tail(r.get("requests_sent", []), records) for r in live_results[s]]
+            fits_s = [timing_for[_parts(s)[0]]] if _parts(s)[0] in timing_for else fits
+            replayed = [replay_system(topo_file, s, args, max_model_len, f) for f in fits_s]
+            replay[s] = [outcome for outcome, _ in replayed]
+            # Request by request on the first timing's replay.
+            tails[s] = [request_tail(r.get("requests_sent", []), replayed[0][1]) for r in live_results[s]]
     result = compare(live_rounds, replay, systems)
     service_time = parse_topology(base).router.service_time
     print(f"service time: {service_time.describe()}")
+    for path, other in list(zip(args.timing, fits, strict=True))[1:]:
+        print(f"  and {path}: {msgspec.structs.replace(service_time, measured=other).describe()}")
     for name, fit_for in args.timing_for:
         print(f"  {name}: {msgspec.structs.replace(service_time, measured=fit_for).describe()}")
     print(format_comparison(result))
@@ -428,8 +471,9 @@ def main(argv: list[str] | None = None) -> int:
         result |= {
             "tails": tails,
             "live": {k: [asdict(o) for o in v] for k, v in live_rounds.items()},
-            "replay": {k: asdict(v) for k, v in replay.items()},
+            "replay": {k: [asdict(o) for o in v] for k, v in replay.items()},
             "fit": msgspec.to_builtins(fit),
+            "fits": [msgspec.to_builtins(f) for f in fits],
             "fit_for": {name: msgspec.to_builtins(f) for name, f in args.timing_for},
         }
         args.json.write_text(json.dumps(result, indent=1))

@@ -107,7 +107,7 @@ def test_the_comparison_states_each_error_and_pdserves_ratio_to_a_baseline_both_
         "a:round_robin": Outcome(ttft_p50=0.022, ttft_p99=0.08, tpot_p50=0.005, tpot_p99=0.01,
                                  cached_share=0.65, decode_prefill_share=1.0, requests=10),
     }  # fmt: skip
-    result = compare(live, replay, ["a", "a:round_robin"])
+    result = compare(live, {s: [o] for s, o in replay.items()}, ["a", "a:round_robin"])
     rows = {(r["system"], r["metric"]): r for r in result["figures"]}
     assert rows[("a", "ttft_p50")]["error"] == pytest.approx(0.1)  # relative for latencies
     assert rows[("a", "tpot_p50")]["error"] == pytest.approx(-0.2)
@@ -125,7 +125,7 @@ def test_live_rounds_give_each_figures_median_and_each_ratio_read_within_its_rou
 
     # Round 2 ran everything slower; pdserve's TTFT was half the baseline's in two rounds of three.
     rounds = {"a": live(0.010, 0.030, 0.012), "a:round_robin": live(0.020, 0.060, 0.010)}
-    replay = {s: Outcome.of_live(_live_result(0.015, 0.005, 0.8, 1.0)) for s in rounds}
+    replay = {s: [Outcome.of_live(_live_result(0.015, 0.005, 0.8, 1.0))] for s in rounds}
     result = compare(rounds, replay, ["a", "a:round_robin"])
     assert result["rounds"] == 3
     ttft = next(r for r in result["figures"] if (r["system"], r["metric"]) == ("a", "ttft_p50"))
@@ -135,6 +135,29 @@ def test_live_rounds_give_each_figures_median_and_each_ratio_read_within_its_rou
     # Not the ratio of the two medians (0.012 / 0.020): each round's ratio, then their median.
     assert (ratio["live"], ratio["live_low"], ratio["live_high"]) == pytest.approx((0.5, 0.5, 1.2))
     assert "median of 3 rounds" in format_comparison(result)
+
+
+def test_replays_on_several_timings_give_each_figures_median_and_range_and_each_ratio_per_timing() -> None:
+    def outcome(ttft: float) -> Outcome:
+        return Outcome.of_live(_live_result(ttft, 0.005, 0.8, 1.0))
+
+    live = {"a": [outcome(0.02)], "a:round_robin": [outcome(0.04)]}
+    # The machine ran at a different speed in each timing: every replay moves, pdserve's ratio less.
+    replay = {
+        "a": [outcome(t) for t in (0.010, 0.030, 0.018)],
+        "a:round_robin": [outcome(t) for t in (0.020, 0.050, 0.040)],
+    }
+    result = compare(live, replay, ["a", "a:round_robin"])
+    assert result["timings"] == 3
+    ttft = next(r for r in result["figures"] if (r["system"], r["metric"]) == ("a", "ttft_p50"))
+    assert (ttft["replay"], ttft["replay_low"], ttft["replay_high"]) == (0.018, 0.010, 0.030)
+    assert ttft["error"] == pytest.approx(0.018 / 0.02 - 1)
+    ratio = next(r for r in result["ratios"] if r["metric"] == "ttft_p50")
+    # Each timing's ratio (0.5, 0.6, 0.45), then their median: not 0.018 / 0.040.
+    assert (ratio["replay"], ratio["replay_low"], ratio["replay_high"]) == pytest.approx((0.5, 0.45, 0.6))
+    text = format_comparison(result)
+    assert "replay, median of 3 timings (range)" in text
+    assert "18.0ms (10.0ms-30.0ms)" in text
 
 
 def test_a_live_report_is_replayed_system_by_system(
@@ -159,11 +182,9 @@ def test_a_live_report_is_replayed_system_by_system(
     doc = json.loads(out.read_text())
     # Two decode engines, no prefill pool: every turn prefilled on decode; pdserve keeps sessions on their
     # replica, round robin does not.
-    assert doc["replay"]["aggregated2"]["decode_prefill_share"] == 1.0
-    assert (
-        doc["replay"]["aggregated2"]["cached_share"]
-        > doc["replay"]["aggregated2:round_robin"]["cached_share"]
-    )
+    (replayed,) = doc["replay"]["aggregated2"]  # one timing, one replay
+    assert replayed["decode_prefill_share"] == 1.0
+    assert replayed["cached_share"] > doc["replay"]["aggregated2:round_robin"][0]["cached_share"]
 
 
 def test_a_system_can_be_replayed_with_its_own_timing(
@@ -193,7 +214,7 @@ def test_a_system_can_be_replayed_with_its_own_timing(
     assert "aggregated2: a measured engine: prefill 7.0 ms + 14.0 us a token, decode step 30.0 ms" in (
         capsys.readouterr().out
     )
-    replay = json.loads(out.read_text())["replay"]
+    replay = {s: outcome for s, (outcome,) in json.loads(out.read_text())["replay"].items()}
     # Both aggregated2 systems decode at 30 ms a step, pd-auto at its own 3 ms.
     assert replay["aggregated2"]["tpot_p50"] > 0.03 and replay["aggregated2:round_robin"]["tpot_p50"] > 0.03
     assert replay["pd-auto"]["tpot_p50"] < 0.01
@@ -321,3 +342,33 @@ def test_live_requests_are_matched_to_the_replays_by_session_and_turn_and_the_sl
     assert "aggregated2 r1: 3 matched, error 0.0 ms, slowest tenth -60.0 ms" in text
     assert "b/0" in text and "live   90.0 =  30.0 +   60.0 (engine   50.0)  replay   30.0" in text
     assert "aggregated2 r2: no request matched" in text
+
+
+def test_several_timing_files_are_each_replayed_and_the_live_router_estimates_with_the_first(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    files = []
+    for name, fit in (("t1.json", FIT), ("t2.json", msgspec.structs.replace(FIT, decode_step_s=0.03))):
+        (tmp_path / name).write_text(json.dumps({"fit": msgspec.to_builtins(fit)}))
+        files.append(str(tmp_path / name))
+    systems = ["aggregated2", "aggregated2:round_robin"]
+    report = {
+        "systems": {
+            s: {"model": {"max_model_len": 2048}, "results": [_live_result(0.02, 0.004, 0.8, 1.0)]}
+            for s in systems
+        }
+    }
+    live = tmp_path / "live.json"
+    live.write_text(json.dumps(report))
+    out = tmp_path / "cmp.json"
+    argv = ["--timing", ",".join(files), "--live", str(live), "--systems", ",".join(systems)]
+    assert main([*argv, "--sessions", "4", "--max-turns", "4", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "service time: a measured engine: prefill 7.0 ms + 14.0 us a token, decode step 3.0 ms" in printed
+    assert f"and {files[1]}: a measured engine: prefill 7.0 ms + 14.0 us a token, decode step 30.0" in printed
+    doc = json.loads(out.read_text())
+    quick, slow = doc["replay"]["aggregated2"]
+    assert slow["tpot_p50"] > 0.03 > quick["tpot_p50"]
+    assert doc["fit"]["decode_step_s"] == FIT.decode_step_s and len(doc["fits"]) == 2
+    with pytest.raises(SystemExit):
+        main(["--timing", ",", "--live", str(live)])
