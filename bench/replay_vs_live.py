@@ -48,6 +48,10 @@ from bench.replay.traces import DEFAULT_TRACES_DIR, infinite_cache_hit_ratio
 from bench.slo import percentile
 from cluster.topology import Topology, TopologyError
 from cluster.topology_file import parse_topology
+from router.errors import NoReplicaError
+from router.messages import Decision, ReplicaView, RouteRequest
+from router.policy.cache_blind import decision_of
+from router.policy.types import PrefixLookup
 from router.service_time import MeasuredTiming
 
 REPO = Path(__file__).resolve().parents[1]
@@ -125,11 +129,56 @@ def system_topology(base: Path, system: str, fit: MeasuredTiming | None = None) 
     return parse_topology(topology(base, changes), source=f"{base} as {system}")
 
 
+class LivePlacement:
+    """Each request decoded on the replica the live run decoded it on, and prefilled there where the live run
+    did (matched by `SESSION/TURN`; live replicas named in sorted order as the replay's `d0`, `d1`, ...).
+    A cache-blind policy's choice turns on how many requests arrived before this one, which differs between
+    live and replay by a request or two; with the live run's choices, what is left of an error is the
+    engines' times."""
+
+    name = "as_live"
+
+    def __init__(self, rows: Sequence[dict[str, Any]]) -> None:
+        live_ids = sorted({str(r["decode_replica"]) for r in rows if r["decode_replica"]})
+        names = {rid: f"d{i}" for i, rid in enumerate(live_ids)}
+        self._placed = {
+            f"{r['session_id']}/{r['turn']}": (names[str(r["decode_replica"])], r["path"] != "disaggregated")
+            for r in rows
+            if r["decode_replica"]
+        }
+
+    def choose(
+        self,
+        req: RouteRequest,
+        prefill: Sequence[ReplicaView],
+        decode: Sequence[ReplicaView],
+        cache: PrefixLookup,
+    ) -> Decision:
+        placed = self._placed.get(req.request_id)
+        if placed is None:
+            raise NoReplicaError(f"{req.request_id}: the live run did not serve it")
+        replica, local = placed
+        d = next((v for v in decode if v.replica_id == replica), None)
+        if d is None:
+            raise NoReplicaError(f"{req.request_id}: the replay has no decode replica {replica}")
+        if not local and len(prefill) != 1:
+            raise NoReplicaError("the live run names decode replicas only: one prefill replica at most")
+        return decision_of(req, None if local else prefill[0], d, cache, 0.0, "as_live")
+
+    def on_finish(self, req: RouteRequest, d: Decision) -> None:
+        return None
+
+
 def replay_system(
-    base: Path, system: str, args: argparse.Namespace, max_model_len: int, fit: MeasuredTiming | None = None
+    base: Path,
+    system: str,
+    args: argparse.Namespace,
+    max_model_len: int,
+    fit: MeasuredTiming | None = None,
+    placed: Sequence[dict[str, Any]] | None = None,
 ) -> tuple[Outcome, list[RequestRecord]]:
     """The replay of `system` on the sessions the live run sent (timed by `fit`, default `base`'s), and its
-    requests."""
+    requests; with `placed` (a live round's `requests_sent`), every request where that round put it."""
     topo = system_topology(base, system, fit)
     plan = plan_sessions(
         num_sessions=args.sessions,
@@ -157,6 +206,9 @@ def replay_system(
         readback_exports=router.kv_readback_exports,
     )
     factory = available_policies(router)[router.policy]
+    if placed is not None:
+        as_live = LivePlacement(placed)
+        factory = lambda _: as_live  # noqa: E731
     bound = infinite_cache_hit_ratio(trace)
     _, records = replay_policy(trace, router.policy, factory, cfg, bound)
     return Outcome.of_replay(records), records
@@ -318,11 +370,12 @@ def compare(
     }
 
 
-def format_comparison(result: dict[str, Any]) -> str:
+def format_comparison(result: dict[str, Any], replays: str = "timings") -> str:
+    """`replays`: what the replays were run on, one each (several timings, or rounds and timings)."""
     several = result.get("rounds", 1) > 1
     timings = result.get("timings", 1) > 1
     live = f"live, median of {result['rounds']} rounds (range)" if several else "live"
-    replay = f"replay, median of {result['timings']} timings (range)" if timings else "replay"
+    replay = f"replay, median of {result['timings']} {replays} (range)" if timings else "replay"
     lines = [f"{'system':<26} {'metric':<22} {live:>9} {replay:>9} {'error':>8}"]
 
     def shown(r: dict[str, Any], fmt: Any, side: str = "live", spread: bool = several) -> str:
@@ -450,6 +503,7 @@ def main(argv: list[str] | None = None) -> int:
         live_rounds = {s: [Outcome.of_live(r) for r in results] for s, results in live_results.items()}
         timing_for = dict(args.timing_for)
         replay: dict[str, list[Outcome]] = {}
+        as_placed: dict[str, list[Outcome]] = {}  # each live round's placements, on each timing
         tails = {}
         for s in systems:
             fits_s = [timing_for[_parts(s)[0]]] if _parts(s)[0] in timing_for else fits
@@ -457,7 +511,15 @@ def main(argv: list[str] | None = None) -> int:
             replay[s] = [outcome for outcome, _ in replayed]
             # Request by request on the first timing's replay.
             tails[s] = [request_tail(r.get("requests_sent", []), replayed[0][1]) for r in live_results[s]]
+            rows = [r.get("requests_sent") for r in live_results[s]]
+            if all(rows) and all(row["decode_replica"] for round_rows in rows for row in round_rows):
+                as_placed[s] = [
+                    replay_system(topo_file, s, args, max_model_len, f, placed)[0]
+                    for placed in rows
+                    for f in fits_s
+                ]
     result = compare(live_rounds, replay, systems)
+    placed_result = compare(live_rounds, as_placed, systems) if len(as_placed) == len(systems) else None
     service_time = parse_topology(base).router.service_time
     print(f"service time: {service_time.describe()}")
     for path, other in list(zip(args.timing, fits, strict=True))[1:]:
@@ -466,9 +528,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {name}: {msgspec.structs.replace(service_time, measured=fit_for).describe()}")
     print(format_comparison(result))
     print()
+    if placed_result is not None:
+        print("the replay with every request where each live round put it (rounds x timings):")
+        print(format_comparison(placed_result, "rounds x timings"))
+    else:
+        print("(no replay with the live placements: the live report does not place every request)")
+    print()
     print(format_tails(tails))
     if args.json is not None:
         result |= {
+            "as_placed": placed_result,
             "tails": tails,
             "live": {k: [asdict(o) for o in v] for k, v in live_rounds.items()},
             "replay": {k: [asdict(o) for o in v] for k, v in replay.items()},

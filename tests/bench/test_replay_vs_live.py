@@ -372,3 +372,48 @@ def test_several_timing_files_are_each_replayed_and_the_live_router_estimates_wi
     assert doc["fit"]["decode_step_s"] == FIT.decode_step_s and len(doc["fits"]) == 2
     with pytest.raises(SystemExit):
         main(["--timing", ",", "--live", str(live)])
+
+
+def test_a_cache_blind_run_is_replayed_again_with_each_request_where_the_live_round_put_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    timing = tmp_path / "timing.json"
+    timing.write_text(json.dumps({"fit": msgspec.to_builtins(FIT)}))
+    plan = plan_sessions(
+        num_sessions=4, max_turns=4, max_model_len=2048, max_output=32, gap_scale=0.1, seed=0
+    )
+    # Live, every session kept to one replica (its index's parity), whatever the policy was.
+    rows = [
+        {"session_id": turns[0].request.session_id, "turn": n, "decode_replica": f"live-{i % 2}",
+         "path": "local_prefill", "sent_s": 0.1 * (i + n), "ttft_s": 0.02, "e2e_s": 0.1, "status": "OK",
+         "cached_tokens": 0, "prompt_tokens": 100, "server_ttft_s": None, "stages_s": {}}
+        for i, turns in enumerate(plan.sessions)  # type: ignore[attr-defined]
+        for n in range(len(turns))
+    ]  # fmt: skip
+    systems = ["aggregated2", "aggregated2:round_robin"]
+    live_result = _live_result(0.02, 0.004, 0.8, 1.0) | {"requests_sent": rows}
+    report = {"systems": {s: {"model": {"max_model_len": 2048}, "results": [live_result]} for s in systems}}
+    live = tmp_path / "live.json"
+    live.write_text(json.dumps(report))
+    out = tmp_path / "cmp.json"
+    argv = ["--timing", str(timing), "--live", str(live), "--systems", ",".join(systems), "--sessions", "4"]
+    assert main([*argv, "--max-turns", "4", "--json", str(out)]) == 0
+    assert "the replay with every request where each live round put it" in capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    replayed = {(f["system"], f["metric"]): f["replay"] for f in doc["figures"]}
+    placed = {(f["system"], f["metric"]): f["replay"] for f in doc["as_placed"]["figures"]}
+    # Round robin's own choices split sessions; placed as live, its sessions stay put and hit as pdserve's.
+    assert replayed[("aggregated2:round_robin", "cached_share")] < replayed[("aggregated2", "cached_share")]
+    assert placed[("aggregated2:round_robin", "cached_share")] == pytest.approx(
+        placed[("aggregated2", "cached_share")]
+    )
+    assert (
+        placed[("aggregated2:round_robin", "cached_share")]
+        > replayed[("aggregated2:round_robin", "cached_share")]
+    )
+    # A live report that does not place every request is replayed by the policies only.
+    rows[0]["decode_replica"] = ""
+    live.write_text(json.dumps(report))
+    assert main([*argv, "--max-turns", "4", "--json", str(out)]) == 0
+    assert "no replay with the live placements" in capsys.readouterr().out
+    assert json.loads(out.read_text())["as_placed"] is None
