@@ -25,11 +25,10 @@ import argparse
 import json
 import math
 import shutil
-import statistics
 import sys
 import tempfile
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -40,68 +39,19 @@ from bench.live import cli as live_cli
 from bench.live.arrivals import Arrivals
 from bench.live.sessions import plan_sessions
 from bench.live.systems import VLLM_SYSTEMS, _parts, known, overrides, topology
+from bench.replay.live_compare import Outcome, compare, format_comparison
+from bench.replay.live_requests import LivePlacement, format_tails, request_tail
 from bench.replay.live_sessions import trace_of_plan
 from bench.replay.policies import available_policies
 from bench.replay.runner import replay_policy
 from bench.replay.sim import RequestRecord, SimConfig
 from bench.replay.traces import DEFAULT_TRACES_DIR, infinite_cache_hit_ratio
-from bench.slo import percentile
 from cluster.topology import Topology, TopologyError
 from cluster.topology_file import parse_topology
-from router.errors import NoReplicaError
-from router.messages import Decision, ReplicaView, RouteRequest
-from router.policy.cache_blind import decision_of
-from router.policy.types import PrefixLookup
 from router.service_time import MeasuredTiming
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_SYSTEMS = ("aggregated2", "aggregated2:least_loaded", "pd-auto", "pd-auto:round_robin")
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """One run's figures, live or replayed: latencies in seconds, shares in [0, 1]."""
-
-    ttft_p50: float
-    ttft_p99: float
-    tpot_p50: float
-    tpot_p99: float
-    cached_share: float  # prompt tokens served from a cache
-    decode_prefill_share: float  # requests prefilled on their decode replica (no prefill hop)
-    requests: int
-
-    @staticmethod
-    def of_live(result: dict[str, Any]) -> Outcome:
-        paths = result["paths"]
-        return Outcome(
-            ttft_p50=result["ttft_s"]["p50"],
-            ttft_p99=result["ttft_s"]["p99"],
-            tpot_p50=result["tpot_s"]["p50"],
-            tpot_p99=result["tpot_s"]["p99"],
-            cached_share=result["cached_share"],
-            decode_prefill_share=paths.get("local_prefill", 0.0) + paths.get("decode_full_prefill", 0.0),
-            requests=result["requests"],
-        )
-
-    @staticmethod
-    def of_replay(records: Sequence[RequestRecord]) -> Outcome:
-        ttft = [r.ttft for r in records]
-        tpot = [t for t in (r.tpot for r in records) if t is not None]
-        prompt = sum(r.cached_tokens + r.computed_tokens for r in records)
-        return Outcome(
-            ttft_p50=percentile(ttft, 50),
-            ttft_p99=percentile(ttft, 99),
-            tpot_p50=percentile(tpot, 50),
-            tpot_p99=percentile(tpot, 99),
-            cached_share=sum(r.cached_tokens for r in records) / prompt if prompt else 0.0,
-            decode_prefill_share=sum(r.local_prefill for r in records) / len(records) if records else 0.0,
-            requests=len(records),
-        )
-
-
-def relative_error(predicted: float, measured: float) -> float:
-    """(predicted - measured) / measured; nan where nothing was measured."""
-    return (predicted - measured) / measured if measured else math.nan
 
 
 def with_timing(base: Path, fit: MeasuredTiming) -> dict[str, Any]:
@@ -127,46 +77,6 @@ def system_topology(base: Path, system: str, fit: MeasuredTiming | None = None) 
     if fit is not None:
         changes |= {"router.service_time.measured": msgspec.to_builtins(fit)}
     return parse_topology(topology(base, changes), source=f"{base} as {system}")
-
-
-class LivePlacement:
-    """Each request decoded on the replica the live run decoded it on, and prefilled there where the live run
-    did (matched by `SESSION/TURN`; live replicas named in sorted order as the replay's `d0`, `d1`, ...).
-    A cache-blind policy's choice turns on how many requests arrived before this one, which differs between
-    live and replay by a request or two; with the live run's choices, what is left of an error is the
-    engines' times."""
-
-    name = "as_live"
-
-    def __init__(self, rows: Sequence[dict[str, Any]]) -> None:
-        live_ids = sorted({str(r["decode_replica"]) for r in rows if r["decode_replica"]})
-        names = {rid: f"d{i}" for i, rid in enumerate(live_ids)}
-        self._placed = {
-            f"{r['session_id']}/{r['turn']}": (names[str(r["decode_replica"])], r["path"] != "disaggregated")
-            for r in rows
-            if r["decode_replica"]
-        }
-
-    def choose(
-        self,
-        req: RouteRequest,
-        prefill: Sequence[ReplicaView],
-        decode: Sequence[ReplicaView],
-        cache: PrefixLookup,
-    ) -> Decision:
-        placed = self._placed.get(req.request_id)
-        if placed is None:
-            raise NoReplicaError(f"{req.request_id}: the live run did not serve it")
-        replica, local = placed
-        d = next((v for v in decode if v.replica_id == replica), None)
-        if d is None:
-            raise NoReplicaError(f"{req.request_id}: the replay has no decode replica {replica}")
-        if not local and len(prefill) != 1:
-            raise NoReplicaError("the live run names decode replicas only: one prefill replica at most")
-        return decision_of(req, None if local else prefill[0], d, cache, 0.0, "as_live")
-
-    def on_finish(self, req: RouteRequest, d: Decision) -> None:
-        return None
 
 
 def replay_system(
@@ -212,193 +122,6 @@ def replay_system(
     bound = infinite_cache_hit_ratio(trace)
     _, records = replay_policy(trace, router.policy, factory, cfg, bound)
     return Outcome.of_replay(records), records
-
-
-def _beside_count(at: float, replica: str, spans: Sequence[tuple[str, float, float]]) -> int:
-    """Requests on `replica` sent before `at` and not finished by it."""
-    return sum(1 for r, start, end in spans if r == replica and start < at < end)
-
-
-def request_tail(
-    live_rows: Sequence[dict[str, Any]], records: Sequence[RequestRecord], slowest: int = 5
-) -> dict[str, Any]:
-    """One live round against the replay, request by request (matched as `SESSION/TURN`): the median error
-    of a request's TTFT over all of them and over the live run's slowest tenth, and the slowest `slowest`
-    requests with what the server timed of each and what the replay predicted for it."""
-    by_id = {r.request_id: r for r in records}
-    live_spans = [
-        (str(r["decode_replica"]), float(r["sent_s"]), float(r["sent_s"]) + float(r["e2e_s"]))
-        for r in live_rows
-        if r["e2e_s"] is not None
-    ]
-    replay_spans = [(r.decode_replica, r.arrival, r.finish) for r in records]
-    matched = []
-    for row in live_rows:
-        rec = by_id.get(f"{row['session_id']}/{row['turn']}")
-        if rec is None or row["ttft_s"] is None:
-            continue
-        stages = row["stages_s"]
-        server_ttft = row["server_ttft_s"]
-        matched.append(
-            {
-                "request": rec.request_id,
-                "live_ttft_s": row["ttft_s"],
-                "replay_ttft_s": rec.ttft,
-                # Outside the router's clock: gRPC in and out, and the client, on the same cores.
-                "outside_router_s": None if server_ttft is None else row["ttft_s"] - server_ttft,
-                "engine_s": stages.get("prefill_leg", 0.0) + stages.get("first_token", 0.0) or None,
-                "live_cached": row["cached_tokens"],
-                "replay_cached": rec.cached_tokens,
-                "prompt_tokens": row["prompt_tokens"],
-                "live_beside": _beside_count(float(row["sent_s"]), str(row["decode_replica"]), live_spans),
-                "replay_beside": _beside_count(rec.arrival, rec.decode_replica, replay_spans),
-            }
-        )
-    if not matched:
-        return {"matched": 0, "slowest": []}
-    matched.sort(key=lambda m: m["live_ttft_s"], reverse=True)
-    tenth = matched[: max(1, len(matched) // 10)]
-
-    def median_error(rows: Sequence[dict[str, Any]]) -> float:
-        return statistics.median(m["replay_ttft_s"] - m["live_ttft_s"] for m in rows)
-
-    return {
-        "matched": len(matched),
-        "median_error_s": median_error(matched),
-        "slowest_tenth_median_error_s": median_error(tenth),
-        "slowest": matched[:slowest],
-    }
-
-
-def format_tails(tails: dict[str, list[dict[str, Any]]]) -> str:
-    """`request_tail` of every system's rounds, as text."""
-
-    def ms(v: float | None) -> str:
-        return "-" if v is None else f"{1e3 * v:.1f}"
-
-    lines = [
-        "request by request (replay - live TTFT, median; the slowest: live ms = outside the router + in it, "
-        "of which the engine legs; cached tokens and requests beside it on its replica, live / replay)"
-    ]
-    for system, rounds in tails.items():
-        for n, t in enumerate(rounds, 1):
-            if not t["matched"]:
-                lines.append(f"{system} r{n}: no request matched")
-                continue
-            lines.append(
-                f"{system} r{n}: {t['matched']} matched, error {ms(t['median_error_s'])} ms, "
-                f"slowest tenth {ms(t['slowest_tenth_median_error_s'])} ms"
-            )
-            for m in t["slowest"]:
-                inside = None if m["outside_router_s"] is None else m["live_ttft_s"] - m["outside_router_s"]
-                lines.append(
-                    f"  {m['request']:<22} live {ms(m['live_ttft_s']):>6} = {ms(m['outside_router_s']):>5} + "
-                    f"{ms(inside):>6} (engine {ms(m['engine_s']):>6})  replay {ms(m['replay_ttft_s']):>6}  "
-                    f"cached {m['live_cached']}/{m['replay_cached']} of {m['prompt_tokens']}  "
-                    f"beside {m['live_beside']}/{m['replay_beside']}"
-                )
-    return "\n".join(lines)
-
-
-def ratios(outcomes: dict[str, Outcome], systems: Sequence[str]) -> list[tuple[str, str, str, float]]:
-    """(system, baseline, metric, ratio) of pdserve's system to each cache-blind one on its topology."""
-    out = []
-    for s in systems:
-        name, policy, _ = _parts(s)
-        if policy is None or name not in systems:
-            continue
-        for metric in ("ttft_p50", "ttft_p99", "tpot_p50", "cached_share"):
-            a, b = getattr(outcomes[name], metric), getattr(outcomes[s], metric)
-            out.append((name, s, metric, a / b if b else math.nan))
-    return out
-
-
-def compare(
-    live_rounds: dict[str, list[Outcome]], replay: dict[str, list[Outcome]], systems: Sequence[str]
-) -> dict[str, Any]:
-    """Every figure live (the median of the live rounds, with their range), replayed (the median of the
-    replays on each timing, with their range) and the error of the one median against the other; pdserve's
-    ratios to the baselines both ways (live: each round's ratio, the median of the rounds; replay: each
-    timing's ratio, the median of the timings)."""
-    rows = []
-    for s in systems:
-        rounds, timings = live_rounds[s], replay[s]
-        for field in ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "cached_share", "decode_prefill_share"):
-            values = [getattr(o, field) for o in rounds]
-            predicted = [getattr(o, field) for o in timings]
-            a, b = statistics.median(values), statistics.median(predicted)
-            error = b - a if field.endswith("share") else relative_error(b, a)
-            row = {"system": s, "metric": field, "live": a, "replay": b, "error": error}
-            rows.append(
-                row
-                | {"live_low": min(values), "live_high": max(values)}
-                | {"replay_low": min(predicted), "replay_high": max(predicted)}
-            )
-
-    def per(outcomes: dict[str, list[Outcome]], n: int) -> dict[tuple[str, str, str], list[float]]:
-        out: dict[tuple[str, str, str], list[float]] = {}
-        for i in range(n):
-            for a, b, m, r in ratios({s: o[min(i, len(o) - 1)] for s, o in outcomes.items()}, systems):
-                out.setdefault((a, b, m), []).append(r)
-        return out
-
-    per_round = per(live_rounds, min(len(r) for r in live_rounds.values()))
-    per_timing = per(replay, max(len(r) for r in replay.values()))
-    ratio_rows = []
-    for (a, b, m), predicted in per_timing.items():
-        values = per_round[(a, b, m)]
-        live, r = statistics.median(values), statistics.median(predicted)
-        ratio_rows.append(
-            {
-                "system": a,
-                "baseline": b,
-                "metric": m,
-                "live": live,
-                "live_low": min(values),
-                "live_high": max(values),
-                "replay": r,
-                "replay_low": min(predicted),
-                "replay_high": max(predicted),
-                "error": relative_error(r, live),
-            }
-        )
-    return {
-        "figures": rows,
-        "ratios": ratio_rows,
-        "rounds": min(len(r) for r in live_rounds.values()),
-        "timings": max(len(r) for r in replay.values()),
-    }
-
-
-def format_comparison(result: dict[str, Any], replays: str = "timings") -> str:
-    """`replays`: what the replays were run on, one each (several timings, or rounds and timings)."""
-    several = result.get("rounds", 1) > 1
-    timings = result.get("timings", 1) > 1
-    live = f"live, median of {result['rounds']} rounds (range)" if several else "live"
-    replay = f"replay, median of {result['timings']} {replays} (range)" if timings else "replay"
-    lines = [f"{'system':<26} {'metric':<22} {live:>9} {replay:>9} {'error':>8}"]
-
-    def shown(r: dict[str, Any], fmt: Any, side: str = "live", spread: bool = several) -> str:
-        around = f" ({fmt(r[side + '_low']).strip()}-{fmt(r[side + '_high']).strip()})" if spread else ""
-        return str(fmt(r[side])) + around
-
-    for r in result["figures"]:
-        share = r["metric"].endswith("share")
-        fmt = (lambda v: f"{v:9.3f}") if share else (lambda v: f"{1e3 * v:7.1f}ms")
-        err = f"{r['error']:+8.3f}" if share else f"{r['error']:+8.0%}"
-        predicted = shown(r, fmt, "replay", timings)
-        lines.append(f"{r['system']:<26} {r['metric']:<22} {shown(r, fmt)} {predicted} {err}")
-    if result["ratios"]:
-        lines.append("")
-        lines.append(f"{'pdserve / baseline':<48} {live:>9} {replay:>9} {'error':>8}")
-        for r in result["ratios"]:
-            what = f"{r['system']} / {r['baseline']} {r['metric']}"
-
-            def fmt(v: float) -> str:
-                return f"{v:9.3f}"
-
-            lines.append(f"{what:<48} {shown(r, fmt)} {shown(r, fmt, 'replay', timings)} {r['error']:+8.0%}")
-    return "\n".join(lines)
 
 
 def _systems(text: str) -> list[str]:

@@ -1,4 +1,5 @@
-"""The replay of the live benchmark's sessions, and its comparison with a live run (bench/replay_vs_live.py).
+"""The replay of the live benchmark's sessions, and its comparison with a live run (bench/replay_vs_live.py;
+the figures in bench/replay/live_compare.py, request by request in bench/replay/live_requests.py).
 
 The live side is `pdserve bench --mode sessions` (tests/bench/test_live_bench.py runs it against a cluster);
 here a live report is given, so what is tested is that the replay runs the very workload the live run sent
@@ -15,12 +16,14 @@ import pytest
 
 from bench.live.arrivals import Arrivals
 from bench.live.sessions import plan_sessions
+from bench.replay.live_compare import Outcome, compare, format_comparison
+from bench.replay.live_requests import format_tails, request_tail
 from bench.replay.live_sessions import trace_of_plan
 from bench.replay.policies import available_policies
 from bench.replay.runner import replay_policy
 from bench.replay.sim import RequestRecord, SimConfig
 from bench.replay.traces import infinite_cache_hit_ratio
-from bench.replay_vs_live import Outcome, compare, format_comparison, format_tails, main, request_tail
+from bench.replay_vs_live import main
 from router.block_hash import hash_blocks
 from router.service_time import MeasuredEngine, MeasuredTiming
 
