@@ -99,6 +99,12 @@ def _live_result(ttft: float, tpot: float, cached: float, local: float) -> dict[
     }
 
 
+def _live_report(systems: list[str], rows: list[dict[str, object]] | None = None) -> dict[str, object]:
+    """A live report of one round of `systems`, each request as sent (`rows`) when given."""
+    result = _live_result(0.02, 0.004, 0.8, 1.0) | ({} if rows is None else {"requests_sent": rows})
+    return {"systems": {s: {"model": {"max_model_len": 2048}, "results": [result]} for s in systems}}
+
+
 def test_the_comparison_states_each_error_and_pdserves_ratio_to_a_baseline_both_ways() -> None:
     live = {
         "a": [Outcome.of_live(_live_result(0.020, 0.005, 0.8, 1.0))],
@@ -169,12 +175,7 @@ def test_a_live_report_is_replayed_system_by_system(
     timing = tmp_path / "timing.json"
     timing.write_text(json.dumps({"fit": {k: getattr(FIT, k) for k in FIT.__struct_fields__}}))
     systems = ["aggregated2", "aggregated2:round_robin"]
-    report = {
-        "systems": {
-            s: {"model": {"max_model_len": 2048}, "results": [_live_result(0.02, 0.004, 0.8, 1.0)]}
-            for s in systems
-        }
-    }
+    report = _live_report(systems)
     live = tmp_path / "live.json"
     live.write_text(json.dumps(report))
     out = tmp_path / "cmp.json"
@@ -200,16 +201,7 @@ def test_a_system_can_be_replayed_with_its_own_timing(
     slow = msgspec.structs.replace(FIT, decode_step_s=0.03)
     systems = ["aggregated2", "aggregated2:round_robin", "pd-auto"]
     live = tmp_path / "live.json"
-    live.write_text(
-        json.dumps(
-            {
-                "systems": {
-                    s: {"model": {"max_model_len": 2048}, "results": [_live_result(0.02, 0.004, 0.8, 1.0)]}
-                    for s in systems
-                }
-            }
-        )
-    )
+    live.write_text(json.dumps(_live_report(systems)))
     out = tmp_path / "cmp.json"
     argv = ["--timing", write(tmp_path / "t.json", FIT), "--live", str(live), "--systems", ",".join(systems)]
     argv += ["--timing-for", f"aggregated2={write(tmp_path / 'a2.json', slow)}", "--sessions", "4"]
@@ -271,12 +263,7 @@ def test_a_live_run_is_kept_beside_the_comparison_to_replay_again_with_another_t
     timing = tmp_path / "timing.json"
     timing.write_text(json.dumps({"fit": msgspec.to_builtins(FIT)}))
     systems = ["aggregated2", "aggregated2:round_robin"]
-    report = {
-        "systems": {
-            s: {"model": {"max_model_len": 2048}, "results": [_live_result(0.02, 0.004, 0.8, 1.0)]}
-            for s in systems
-        }
-    }
+    report = _live_report(systems)
     runs: list[list[str]] = []
 
     def live_bench(argv: list[str]) -> int:  # stands in for `pdserve bench --side-by-side ... --json OUT`
@@ -355,12 +342,7 @@ def test_several_timing_files_are_each_replayed_and_the_live_router_estimates_wi
         (tmp_path / name).write_text(json.dumps({"fit": msgspec.to_builtins(fit)}))
         files.append(str(tmp_path / name))
     systems = ["aggregated2", "aggregated2:round_robin"]
-    report = {
-        "systems": {
-            s: {"model": {"max_model_len": 2048}, "results": [_live_result(0.02, 0.004, 0.8, 1.0)]}
-            for s in systems
-        }
-    }
+    report = _live_report(systems)
     live = tmp_path / "live.json"
     live.write_text(json.dumps(report))
     out = tmp_path / "cmp.json"
@@ -394,8 +376,7 @@ def test_a_cache_blind_run_is_replayed_again_with_each_request_where_the_live_ro
         for n in range(len(turns))
     ]  # fmt: skip
     systems = ["aggregated2", "aggregated2:round_robin"]
-    live_result = _live_result(0.02, 0.004, 0.8, 1.0) | {"requests_sent": rows}
-    report = {"systems": {s: {"model": {"max_model_len": 2048}, "results": [live_result]} for s in systems}}
+    report = _live_report(systems, rows)
     live = tmp_path / "live.json"
     live.write_text(json.dumps(report))
     out = tmp_path / "cmp.json"
